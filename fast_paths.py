@@ -1,0 +1,158 @@
+"""The fast paths inside the compiled blocks: FlashAttention-3 and FP8, each resolved to a `Decision`.
+
+`auto` takes a fast path only where it can run and says why not otherwise; an explicit request
+that cannot run raises with what is missing. Nothing here runs at import: capability probes and
+kernel loads happen inside `compile.compile_blocks` (the GPU worker on ZeroGPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from options import Options
+
+# An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
+# in bf16 (FP8 has 3 mantissa bits: a few percent is its normal cost; NaN or noise is far above).
+FP8_MAX_REL_ERROR = 1e-1
+# Linear layers FP8 pays off for: both dims multiples of 16 (FP8 GEMM alignment) and at least this
+# wide; smaller ones stay in bf16 and are counted in the report.
+FP8_MIN_FEATURES = 256
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One resolved choice, e.g. `attention: sdpa (auto: no CUDA device)`."""
+
+    name: str
+    value: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.value} ({self.reason})"
+
+
+def _cuda_problem(device: torch.device, min_capability: tuple[int, int], what: str) -> str | None:
+    if device.type != "cuda":
+        return f"{what} needs a CUDA GPU; the pipeline is on {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < min_capability:
+        have, need = ".".join(map(str, capability)), ".".join(map(str, min_capability))
+        return f"{what} needs compute capability >= {need}; {torch.cuda.get_device_name(device)} has {have}"
+    return None
+
+
+def resolve_attention(options: Options, transformer: torch.nn.Module, device: torch.device) -> Decision:
+    """Decide the attention kernel compiled into the blocks; loads FA3 to prove it can run.
+
+    Returns `fa3` only on compute capability 9.x (FA3 is a Hopper kernel) with a bfloat16/float16
+    transformer, a head dim FA3 supports (<= 256, multiple of 8) and a kernel that loads.
+
+    Raises:
+        RuntimeError: `attention=fa3` was asked for and one of those conditions fails.
+    """
+    if options.attention == "sdpa":
+        return Decision("attention", "sdpa", "requested")
+    head_dim = transformer.config.attention_head_dim
+    problem = _cuda_problem(device, (9, 0), "FA3")
+    if problem is None and torch.cuda.get_device_capability(device)[0] != 9:
+        problem = "FA3 is built for Hopper (compute capability 9.x)"
+    if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
+        problem = f"FA3 supports bfloat16/float16, the transformer is {transformer.dtype}"
+    if problem is None and (head_dim > 256 or head_dim % 8):
+        problem = f"FA3 supports head dims <= 256 in multiples of 8, this model has {head_dim}"
+    if problem is None:
+        try:
+            load_fa3(options.fa3_kernel)
+        except Exception as exc:  # a missing package, no network, no build for this torch (C20)
+            problem = f"FA3 kernel {options.fa3_kernel!r} did not load: {type(exc).__name__}: {exc}"
+    if problem is None:
+        return Decision("attention", "fa3", f"{options.attention}: {options.fa3_kernel}")
+    if options.attention == "fa3":
+        raise RuntimeError(f"attention=fa3 cannot run: {problem}. Use --attention auto or sdpa.")
+    return Decision("attention", "sdpa", f"auto: {problem}")
+
+
+def resolve_fp8(options: Options, device: torch.device) -> Decision:
+    """Decide whether the blocks' linear layers run in FP8 (needs compute capability >= 8.9).
+
+    Raises:
+        RuntimeError: `fp8=on` was asked for on a device that cannot run it.
+    """
+    if options.fp8 == "off":
+        return Decision("fp8", "off", "requested")
+    problem = _cuda_problem(device, (8, 9), "FP8")
+    if problem is None:
+        return Decision("fp8", "on", options.fp8)
+    if options.fp8 == "on":
+        raise RuntimeError(f"fp8=on cannot run: {problem}. Use --fp8 auto or off.")
+    return Decision("fp8", "off", f"auto: {problem}")
+
+
+def load_fa3(source: str) -> Any:
+    """Load FlashAttention-3 and hand it to diffusers' `_flash_3` attention backend.
+
+    `source` is a Hub kernel repo (`owner/name`, fetched by `kernels.get_kernel` at
+    `FA3_KERNEL_VERSION`) or the name of an importable module providing `flash_attn_func`
+    (e.g. `fa3_fwd_interface` from the PyPI wheel `fa3-fwd`). The backend calls it through the
+    registered custom op `_diffusers_flash_attn_3::_flash_attn_forward`, which has a fake
+    implementation, so a block exports as one graph and the package calls that op at run time.
+
+    Raises:
+        ImportError, OSError, RuntimeError: the kernel cannot be found or loaded.
+    """
+    from diffusers.models import attention_dispatch
+
+    if "/" in source:
+        from kernels import get_kernel
+
+        module = get_kernel(source, version=FA3_KERNEL_VERSION)
+    else:
+        import importlib
+
+        module = importlib.import_module(source)
+    # diffusers looks for FA3 only once, as a module named `flash_attn_interface` at its import;
+    # these two names are what that detection sets.
+    attention_dispatch.flash_attn_3_func = module.flash_attn_func
+    attention_dispatch._CAN_USE_FLASH_ATTN_3 = True
+    return module
+
+
+# kernels-community/flash-attn3's major version: the one diffusers 0.42 pins for its FA3 backend.
+FA3_KERNEL_VERSION = 1
+
+
+def fp8_config(granularity: str) -> Any:
+    """torchao's FP8 dynamic-activation, FP8-weight config at `granularity` ("row" or "tensor").
+
+    `set_inductor_config=False`: Inductor settings live in `INDUCTOR_CONFIGS`, not in a global
+    that quantizing changes.
+    """
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
+
+    return Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow() if granularity == "row" else PerTensor(), set_inductor_config=False
+    )
+
+
+def quantize_block_(block: torch.nn.Module, config: Any) -> tuple[int, int]:
+    """Quantize the block's linear layers with torchao `config`, in place.
+
+    Layers narrower than `FP8_MIN_FEATURES` or not 16-aligned stay as they are, and so do layers
+    already quantized (so applying twice is harmless). Returns (quantized, skipped) layer counts.
+    """
+    from torchao.quantization import quantize_
+
+    linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear) and type(m.weight) is torch.nn.Parameter]
+    eligible = {
+        id(m)
+        for m in linears
+        if min(m.in_features, m.out_features) >= FP8_MIN_FEATURES
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
+    }
+    if eligible:
+        quantize_(block, config, filter_fn=lambda m, _: id(m) in eligible)
+    return len(eligible), len(linears) - len(eligible)

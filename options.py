@@ -1,0 +1,192 @@
+"""Options and the resolution rule shared by `compile.py` (shape range) and `app.py` (UI limits).
+
+Every option is one field of the frozen `Options` dataclass, with one CLI flag and one environment
+variable; `python compile.py --help` and `python app.py --help` list them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Image sizes the compiled blocks accept: each side a multiple of the pipeline's pixel step (16 for
+# FLUX: VAE downsampling 8 x 2x2 latent packing) between these bounds, any aspect ratio in between.
+# Image tokens = (height / 16) * (width / 16): 512x512 -> 1024 tokens, 1536x1536 -> 9216.
+MIN_SIDE, MAX_SIDE = 512, 1536
+
+
+def _option(env: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    return {"env": env, "help": help, **argparse_kwargs}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to load and compile. Defaults turn every fast path on (`auto`); flags switch them off.
+
+    Precedence: command-line flag, then environment variable, then the default below.
+    """
+
+    model: str = field(
+        default="black-forest-labs/FLUX.1-dev",
+        metadata=_option("MODEL_ID", "FLUX-family pipeline: Hub repo id or local folder"),
+    )
+    compile: bool = field(
+        default=True,
+        metadata=_option("AOT_COMPILE", "compile the repeated blocks; off serves the eager pipeline"),
+    )
+    attention: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_ATTENTION",
+            "attention inside the compiled blocks: fa3 (FlashAttention-3, Hopper GPUs), sdpa, or auto",
+            choices=("auto", "fa3", "sdpa"),
+        ),
+    )
+    fa3_kernel: str = field(
+        default="kernels-community/flash-attn3",
+        metadata=_option(
+            "AOT_FA3_KERNEL",
+            "where FA3 comes from: a Hub kernel repo (owner/name, loaded with the `kernels` library)"
+            " or an importable module name that provides flash_attn_func",
+        ),
+    )
+    fp8: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_FP8",
+            "FP8 weights and activations in the blocks' linear layers (torchao; compute capability >= 8.9)",
+            choices=("auto", "on", "off"),
+        ),
+    )
+    fp8_granularity: str = field(
+        default="row",
+        metadata=_option(
+            "AOT_FP8_GRANULARITY",
+            "FP8 scaling: one scale per row (activations per token, weights per output channel) or per tensor",
+            choices=("row", "tensor"),
+        ),
+    )
+    min_side: int = field(default=MIN_SIDE, metadata=_option("AOT_MIN_SIDE", "smallest image side in pixels", type=int))
+    max_side: int = field(default=MAX_SIDE, metadata=_option("AOT_MAX_SIDE", "largest image side in pixels", type=int))
+    device: str = field(default="auto", metadata=_option("AOT_DEVICE", "cuda, cpu, or auto (cuda when available)"))
+    dtype: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_DTYPE",
+            "weights dtype; auto: bfloat16 on CUDA, float32 on CPU",
+            choices=("auto", "bfloat16", "float16", "float32"),
+        ),
+    )
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        """An argparse parser with one flag per field (`--min-side` for `min_side`); defaults unset."""
+        parser = argparse.ArgumentParser(add_help=False)
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            env, help_ = meta.pop("env"), meta.pop("help")
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f"{help_} (env {env}; default {f.default})"
+            if f.type == "bool":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            else:
+                parser.add_argument(flag, default=None, help=help_, **meta)
+        return parser
+
+    @classmethod
+    def from_env(cls, args: argparse.Namespace | None = None, environ: os._Environ | dict | None = None) -> Options:
+        """Options from parsed flags (`parser()`), then `environ` (default `os.environ`), then defaults.
+
+        Raises:
+            ValueError: an environment variable holds a value its option does not allow.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            flag_value = getattr(args, f.name, None) if args is not None else None
+            if flag_value is not None:
+                values[f.name] = flag_value
+            elif f.metadata["env"] in environ:
+                values[f.name] = _parse_env(f, environ[f.metadata["env"]])
+        return cls(**values)
+
+    def resolution(self, vae_scale_factor: int) -> Resolution:
+        """The sizes to compile for: `min_side..max_side`, pixel step 2 * `vae_scale_factor`
+        (FLUX packs 2x2 latents; `pipe.vae_scale_factor` is 8 for FLUX.1 VAEs).
+
+        Raises:
+            ValueError: the bounds are not multiples of the step, or min > max.
+        """
+        return Resolution(self.min_side, self.max_side, step=2 * vae_scale_factor)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}: allowed values are {', '.join(choices)}")
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    env = f.metadata["env"]
+    if f.type == "bool":
+        if raw.lower() in ("1", "true", "on", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "off", "no"):
+            return False
+        raise ValueError(f"{env}={raw!r}: use 1/0, true/false, on/off")
+    if f.type == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{env}={raw!r}: expected an integer") from None
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# The resolution rule: one place for the UI's limits and the exported shape range.
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Image sizes a compiled pipeline accepts.
+
+    Each side is a multiple of `step` pixels in [min_side, max_side]; the transformer sees
+    tokens = (height / step) * (width / step) image tokens. For FLUX `step` = 16: the VAE
+    downsamples by 8 (`pipe.vae_scale_factor`) and the latents are packed 2x2.
+    """
+
+    min_side: int
+    max_side: int
+    step: int = 16
+
+    def __post_init__(self) -> None:
+        if not (0 < self.min_side <= self.max_side) or self.min_side % self.step or self.max_side % self.step:
+            raise ValueError(
+                f"side range {self.min_side}..{self.max_side} px: both ends must be multiples of "
+                f"{self.step} with 0 < min <= max"
+            )
+
+    def tokens(self, height: int, width: int) -> int:
+        """Image tokens of a `height` x `width` image (pixels)."""
+        return (height // self.step) * (width // self.step)
+
+    @property
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) image-token count over every allowed size."""
+        return self.tokens(self.min_side, self.min_side), self.tokens(self.max_side, self.max_side)
+
+    def describe(self) -> str:
+        lo, hi = self.token_range
+        return (
+            f"sides {self.min_side}..{self.max_side} px in steps of {self.step} "
+            f"({lo}..{hi} image tokens = (H/{self.step})*(W/{self.step}))"
+        )
+
+    def check(self, height: int, width: int) -> None:
+        """Raise `ValueError` naming the allowed range unless `height` x `width` is allowed."""
+        for name, side in (("height", height), ("width", width)):
+            if not isinstance(side, int) or side % self.step or not self.min_side <= side <= self.max_side:
+                raise ValueError(f"{name}={side} is not allowed: the compiled blocks accept {self.describe()}")

@@ -1,0 +1,196 @@
+"""Regional AoT compilation on the tiny pipeline (CPU): parity, one package per class, the shape contract."""
+
+import copy
+
+import pytest
+import torch
+from conftest import TOLERANCE, generate, load_tiny
+from diffusers import FluxTransformer2DModel
+
+from compile import (
+    CompiledBlock,
+    apply_,
+    block_constants,
+    compile_package,
+    contract_from_captures,
+    dynamic_shapes,
+    export_block,
+    rel_error,
+    repeated_blocks,
+)
+from options import Resolution
+
+
+def compiled_blocks(pipe) -> list[CompiledBlock]:
+    return [m.forward for m in pipe.transformer.modules() if isinstance(m.__dict__.get("forward"), CompiledBlock)]
+
+
+@pytest.mark.parametrize("size", [(512, 512), (1536, 1536), (768, 1344)], ids=["min", "max", "non-square"])
+def test_compiled_pipeline_matches_eager(eager_pipe, compiled_pipe, size):
+    # Captured at 1024x1024: these sizes run the same dynamic graph (no specialization, C02/C06).
+    expected = generate(eager_pipe, *size)
+    actual = generate(compiled_pipe, *size)
+    assert actual.shape == (1, 3, *size)
+    error = rel_error(actual, expected)
+    assert error < TOLERANCE, f"rel. error {error:.2e}, max abs {(actual - expected).abs().max():.2e}"
+
+
+def test_one_package_per_block_class_and_every_block_patched(compiled, compiled_pipe):
+    transformer = compiled_pipe.transformer
+    assert set(compiled.packages) == set(transformer._repeated_blocks)
+    patched = compiled_blocks(compiled_pipe)
+    assert len(patched) == transformer.config.num_layers + transformer.config.num_single_layers
+    for name, package in compiled.packages.items():
+        users = [b for b in patched if b.package.block == name]
+        assert len(users) == len(repeated_blocks(transformer)[name])
+        assert all(b.package is package for b in users), "every block of a class shares one package"
+        assert len(package.package) < 5e6, "weights-less package: code only"
+
+
+def test_each_block_runs_with_its_own_weights_without_a_copy(compiled_pipe, eager_pipe):
+    generate(compiled_pipe, 512, 512, steps=1)  # load and bind every package
+    block, twin = (
+        compiled_pipe.transformer.single_transformer_blocks[1],
+        eager_pipe.transformer.single_transformer_blocks[1],
+    )
+    kwargs = _block_inputs(compiled_pipe, "FluxSingleTransformerBlock")
+    with torch.no_grad():
+        assert rel_error(block(**kwargs), twin(**kwargs)) < TOLERANCE
+        # The package reads the block's own parameter memory: change it in place, the output follows.
+        for module in (block, twin):
+            module.proj_out.weight.mul_(-1.0)
+        assert rel_error(block(**kwargs), twin(**kwargs)) < TOLERANCE
+
+
+def test_size_outside_the_range_is_refused_before_any_compiled_call(compiled_pipe, eager_pipe):
+    lo, hi = compiled_pipe_resolution(compiled_pipe).token_range
+    with pytest.raises(ValueError, match=rf"sides 512\.\.1536 px.*{lo}\.\.{hi} image tokens"):
+        generate(compiled_pipe, 496, 512)
+    with pytest.raises(ValueError, match="hidden_states has 9312 image tokens"):
+        generate(compiled_pipe, 1536, 1552)
+    assert all(b._runner is None for b in compiled_blocks(compiled_pipe)), "a compiled block was called"
+    assert rel_error(generate(compiled_pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
+
+
+def test_batch_other_than_compiled_is_refused_then_next_request_works(compiled_pipe):
+    # C04: AOTI checks no input shapes itself; a batch of 2 against a batch-1 package must not run.
+    with pytest.raises(ValueError, match=r"\(2, 1024, 32\).*batch size and text length are fixed"):
+        generate(compiled_pipe, 512, 512, num_images_per_prompt=2)
+    assert generate(compiled_pipe, 512, 512).shape == (1, 3, 512, 512)
+
+
+def test_arguments_other_than_captured_are_refused(compiled_pipe):
+    block = compiled_pipe.transformer.transformer_blocks[0]
+    kwargs = _block_inputs(compiled_pipe, "FluxTransformerBlock")
+    kwargs["joint_attention_kwargs"] = {"ip_hidden_states": kwargs["temb"]}
+    with pytest.raises(ValueError, match="FluxTransformerBlock was compiled for inputs"):
+        block(**kwargs)
+
+
+def test_export_spec_covers_every_captured_input(compiled):
+    # C08: one entry per captured kwarg, a tuple of per-tensor specs for the rotary embedding.
+    contract = compiled.packages["FluxTransformerBlock"].contract
+    kwargs = _block_inputs(load_tiny(), "FluxTransformerBlock")
+    spec = dynamic_shapes(contract, kwargs)
+    assert (
+        set(spec)
+        == set(kwargs)
+        == {
+            "hidden_states",
+            "encoder_hidden_states",
+            "temb",
+            "image_rotary_emb",
+            "joint_attention_kwargs",
+        }
+    )
+    assert spec["encoder_hidden_states"] is None and spec["temb"] is None
+    assert spec["joint_attention_kwargs"] == kwargs["joint_attention_kwargs"] == {}  # no tensors: nothing dynamic
+    image = spec["hidden_states"][1]
+    assert (image.min, image.max) == Resolution(512, 1536).token_range  # the Dim comes from the rule (C06)
+    text = kwargs["encoder_hidden_states"].shape[1]
+    assert [str(s[0]) for s in spec["image_rotary_emb"]] == [f"image_tokens + {text}"] * 2
+
+
+def test_shape_rule_refuses_inputs_it_cannot_describe():
+    resolution = Resolution(512, 1536)
+    a = {"x": torch.zeros(1, 1024, 8)}
+    b = {"x": torch.zeros(1, 2 * 2304, 8)}  # doubles instead of following the token count
+    with pytest.raises(ValueError, match="not image tokens plus a constant"):
+        contract_from_captures("Block", [((), a), ((), b)], [1024, 2304], resolution)
+
+
+def test_pipeline_without_repeated_blocks_gets_a_clear_error(eager_pipe):
+    eager_pipe.transformer._repeated_blocks = []
+    with pytest.raises(ValueError, match="FluxTransformer2DModel has no `_repeated_blocks`"):
+        repeated_blocks(eager_pipe.transformer)
+    eager_pipe.transformer._repeated_blocks = ["FluxTransformerBlock", "NoSuchBlock"]
+    with pytest.raises(ValueError, match="lists NoSuchBlock, but the model has no block of that class"):
+        repeated_blocks(eager_pipe.transformer)
+
+
+def test_packages_applied_to_other_weights_fail_at_apply_not_at_call(compiled):
+    # C16: a weights-less package bound to tensors of other shapes would read out of bounds.
+    pipe = load_tiny()
+    config = dict(pipe.transformer.config)
+    config["num_attention_heads"] = 4
+    pipe.transformer = FluxTransformer2DModel.from_config(config)
+    with pytest.raises(ValueError, match=r"FluxTransformerBlock #0 does not match its compiled package"):
+        apply_(pipe, compiled)
+    assert not compiled_blocks(pipe), "no block may be patched after a failed check"
+
+
+def test_cpu_offload_hooks_are_refused(compiled):
+    # C24: offload moves weights between calls; compiled blocks bind to their memory once.
+    pipe = load_tiny()
+    pipe.enable_model_cpu_offload(device="cpu")
+    with pytest.raises(ValueError, match="offload hooks"):
+        apply_(pipe, compiled)
+
+
+def test_tensor_subclass_weights_bind_to_a_weights_less_package():
+    # The FP8 path on the GPU quantizes with torchao; weights become tensor subclasses that export
+    # as `parametrizations.weight.original<i>`. int8 weight-only runs the same mechanism on CPU.
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    pipe = load_tiny()
+    blocks = pipe.transformer.single_transformer_blocks
+    kwargs = _block_inputs(pipe, "FluxSingleTransformerBlock")
+    contract = _contract(pipe, "FluxSingleTransformerBlock")
+    for block in blocks:
+        quantize_(block, Int8WeightOnlyConfig())
+    assert "proj_out.parametrizations.weight.original0" in block_constants(blocks[0])
+    package = compile_package(export_block(blocks[0], kwargs, contract))
+    from compile import BlockPackage
+
+    holder = BlockPackage("FluxSingleTransformerBlock", package, contract, {}, False, 0.0, 0.0, 0.0)
+    for block in blocks:
+        expected = block(**kwargs)
+        block.forward = CompiledBlock(block, holder, 0)
+        assert rel_error(block(**kwargs), expected) < TOLERANCE
+
+
+def compiled_pipe_resolution(pipe) -> Resolution:
+    return compiled_blocks(pipe)[0].package.contract.resolution
+
+
+def _block_inputs(pipe, block_class: str) -> dict:
+    """Real inputs of the first block of `block_class`, captured from a 512x512 pipeline call."""
+    from compile import capture_blocks
+
+    first = repeated_blocks(pipe.transformer)[block_class][0]
+    (calls,) = capture_blocks(pipe, {block_class: first}, [(512, 512)])
+    return copy.copy(calls[block_class][1])
+
+
+def _contract(pipe, block_class: str):
+    from compile import capture_blocks
+
+    resolution = Resolution(512, 1536)
+    first = repeated_blocks(pipe.transformer)[block_class][0]
+    captures = capture_blocks(pipe, {block_class: first}, [(512, 512), (768, 768)])
+    return contract_from_captures(
+        block_class,
+        [c[block_class] for c in captures],
+        [resolution.tokens(512, 512), resolution.tokens(768, 768)],
+        resolution,
+    )

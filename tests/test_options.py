@@ -1,0 +1,110 @@
+"""Options (flags, environment, defaults), the resolution rule, and the switch matrix on CPU."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_tiny, tiny_options
+
+from compile import compile_blocks
+from fast_paths import resolve_attention, resolve_fp8
+from options import Options, Resolution
+
+
+def parse(argv=(), environ=None) -> Options:
+    return Options.from_env(Options.parser().parse_args(list(argv)), environ=environ or {})
+
+
+def test_defaults_turn_every_fast_path_on():
+    options = parse()
+    assert (options.compile, options.attention, options.fp8) == (True, "auto", "auto")
+
+
+def test_flag_beats_environment_beats_default():
+    environ = {"AOT_ATTENTION": "sdpa", "AOT_FP8": "off", "AOT_MAX_SIDE": "1024", "AOT_COMPILE": "0"}
+    assert parse(environ=environ) == Options(attention="sdpa", fp8="off", max_side=1024, compile=False)
+    options = parse(["--attention", "fa3", "--compile", "--max-side", "1280"], environ)
+    assert (options.attention, options.compile, options.max_side, options.fp8) == ("fa3", True, 1280, "off")
+
+
+def test_every_field_has_one_flag_and_one_environment_variable():
+    fields = dataclasses.fields(Options)
+    envs = [f.metadata["env"] for f in fields]
+    assert len(set(envs)) == len(envs)
+    help_text = Options.parser().format_help()
+    for f in fields:
+        assert "--" + f.name.replace("_", "-") in help_text
+        assert f.metadata["env"] in help_text
+
+
+def test_readme_documents_every_environment_variable():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [f.metadata["env"] for f in dataclasses.fields(Options) if f"`{f.metadata['env']}`" not in readme]
+    assert not missing, f"README.md does not document {missing}"
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"AOT_FP8": "maybe"}, "fp8='maybe': allowed values are auto, on, off"),
+        ({"AOT_COMPILE": "perhaps"}, r"AOT_COMPILE='perhaps': use 1/0, true/false, on/off"),
+        ({"AOT_MIN_SIDE": "big"}, "AOT_MIN_SIDE='big': expected an integer"),
+        ({"AOT_MIN_SIDE": "500"}, "both ends must be multiples of 16"),
+    ],
+)
+def test_bad_environment_values_say_what_is_allowed(environ, message):
+    with pytest.raises(ValueError, match=message):
+        Options.from_env(None, environ=environ).resolution(vae_scale_factor=8)
+
+
+def test_bad_flag_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        Options.parser().parse_args(["--attention", "flash"])
+    assert "invalid choice: 'flash'" in capsys.readouterr().err
+
+
+def test_resolution_rule():
+    rule = Resolution(512, 1536)
+    assert rule.tokens(1024, 1024) == 4096 and rule.tokens(768, 1344) == 48 * 84
+    assert rule.token_range == (1024, 9216)
+    rule.check(512, 1536)
+    for height, width, bad in [(496, 512, "height=496"), (512, 1552, "width=1552"), (520, 512, "height=520")]:
+        with pytest.raises(ValueError, match=rf"{bad} is not allowed: .*sides 512\.\.1536 px in steps of 16"):
+            rule.check(height, width)
+    with pytest.raises(ValueError, match="0 < min <= max"):
+        Resolution(1024, 512)
+
+
+@pytest.mark.parametrize("attention", ["auto", "sdpa", "fa3"])
+@pytest.mark.parametrize("fp8", ["auto", "on", "off"])
+def test_switch_matrix_on_cpu(attention, fp8):
+    """Every combination: auto falls back with the reason, explicit requests that cannot run raise."""
+    transformer = load_tiny().transformer
+    options = tiny_options(attention=attention, fp8=fp8)
+    device = torch.device("cpu")
+    if attention == "fa3":
+        with pytest.raises(
+            RuntimeError, match="attention=fa3 cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu"
+        ):
+            resolve_attention(options, transformer, device)
+    else:
+        decision = resolve_attention(options, transformer, device)
+        expected = "requested" if attention == "sdpa" else "auto: FA3 needs a CUDA GPU; the pipeline is on cpu"
+        assert (decision.value, decision.reason) == ("sdpa", expected)
+    if fp8 == "on":
+        with pytest.raises(RuntimeError, match="fp8=on cannot run: FP8 needs a CUDA GPU"):
+            resolve_fp8(options, device)
+    else:
+        decision = resolve_fp8(options, device)
+        expected = "requested" if fp8 == "off" else "auto: FP8 needs a CUDA GPU; the pipeline is on cpu"
+        assert (decision.value, decision.reason) == ("off", expected)
+
+
+def test_explicit_request_that_cannot_run_fails_before_any_work():
+    pipe = load_tiny()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(RuntimeError, match="attention=fa3 cannot run"):
+        compile_blocks(pipe, tiny_options(attention="fa3"))
+    assert not calls, "the pipeline ran before the request was refused"
