@@ -20,6 +20,7 @@ It prints a markdown table, then one JSON line (date, GPU, versions, commit, row
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -88,15 +89,16 @@ VAE = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
-# Each scenario adds one piece; `all` is the template's default (everything `auto`).
+# Each scenario adds one piece to the options from the environment (AOT_FA3_KERNEL, ...); `all` is
+# the template's default: everything `auto`.
 SCENARIOS = {
     "eager": None,
-    "aot": Options(attention="sdpa", fp8="off"),
-    "aot+fa3": Options(attention="fa3", fp8="off"),
-    "aot+fp8": Options(attention="sdpa", fp8="on"),
-    "all": Options(),
-    "aot+fp8-row": Options(attention="sdpa", fp8="on", fp8_granularity="row"),
-    "aot+fp8-tensor": Options(attention="sdpa", fp8="on", fp8_granularity="tensor"),
+    "aot": dict(attention="sdpa", fp8="off"),
+    "aot+fa3": dict(attention="fa3", fp8="off"),
+    "aot+fp8": dict(attention="sdpa", fp8="on"),
+    "all": dict(),
+    "aot+fp8-row": dict(attention="sdpa", fp8="on", fp8_granularity="row"),
+    "aot+fp8-tensor": dict(attention="sdpa", fp8="on", fp8_granularity="tensor"),
 }
 DEFAULT_SCENARIOS = "eager,aot,aot+fa3,aot+fp8,all"
 PROMPT = "a photo of a red fox in fresh snow, morning light"
@@ -261,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, reference = [], None
     for name in names:
         try:
-            row, latents = run(pipe, name, SCENARIOS[name], args.size, args.steps, reference)
+            changes = SCENARIOS[name]
+            options = None if changes is None else dataclasses.replace(Options.from_env(), **changes)
+            row, latents = run(pipe, name, options, args.size, args.steps, reference)
         except Exception as exc:  # one failing scenario must not hide the others' numbers
             print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
             if name == "eager":

@@ -11,14 +11,16 @@ import pytest
 import torch
 from conftest import TINY, generate
 
-from compile import apply_, compile_blocks, load_pipeline, rel_error
+from compile import MAX_REL_ERROR, apply_, compile_blocks, load_pipeline, rel_error
 from fast_paths import FP8_MAX_REL_ERROR
 from options import Options
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FA3_KERNEL = os.environ.get("AOT_FA3_KERNEL", Options.fa3_kernel)
-# bf16 through 2 steps of a random model: compiled and eager round differently, measured ~2e-3.
-BF16_TOLERANCE = 1e-2
+# Images after 2 steps of a random model and a random VAE, compiled vs eager. Each block matches
+# eager within compile.MAX_REL_ERROR (checked by compile_blocks); through the whole pipeline FA3 vs
+# SDPA measured 1.3e-2 on the H200 (2026-11-29).
+IMAGE_TOLERANCE = 3e-2
 
 
 def wide_pipeline(dtype=torch.bfloat16):
@@ -50,9 +52,10 @@ def test_fa3_blocks_match_eager():
     expected = images(pipe)
     compiled = compile_blocks(pipe, Options(attention="fa3", fa3_kernel=FA3_KERNEL, fp8="off"))
     assert compiled.decisions[0].value == "fa3", compiled.decisions[0]
+    assert all(p.rel_error < MAX_REL_ERROR for p in compiled.packages.values())
     apply_(pipe, compiled)
     error = rel_error(images(pipe), expected)
-    assert error < BF16_TOLERANCE, f"FA3 compiled vs eager SDPA: {error:.2e}"
+    assert error < IMAGE_TOLERANCE, f"FA3 compiled vs eager SDPA: {error:.2e}"
 
 
 def test_fp8_blocks_stay_close_to_bf16():
