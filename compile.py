@@ -62,6 +62,9 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
 # packages land far below; a larger error means the package computes something else.
 MAX_REL_ERROR = 1e-2
+# Largest transformer `load_pipeline` runs on a CPU: FLUX.1-dev (12B) would need ~48 GB in float32
+# and minutes per step.
+CPU_MAX_PARAMS = 1_000_000_000
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -563,6 +566,12 @@ class Report:
     decisions: list[Decision]
     resolution: Resolution
 
+    def summary(self) -> str:
+        """One line for a UI: what is compiled and which fast paths are on."""
+        blocks = sum(count for _, count in self.rows)
+        decisions = ", ".join(f"{d.name}: {d.value}" for d in self.decisions)
+        return f"AoT-compiled: {len(self.rows)} block classes, {blocks} blocks; {decisions}"
+
     def __str__(self) -> str:
         lines = [
             "| block class | blocks | package | export s | compile s | rel. error vs eager | image tokens |",
@@ -580,15 +589,32 @@ class Report:
 
 
 def load_pipeline(options: Options) -> Any:
-    """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`."""
-    from diffusers import FluxPipeline
+    """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`.
 
-    device = torch.device(
-        options.device if options.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    )
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(options.dtype) or getattr(
-        torch, options.dtype
-    )
+    Raises:
+        RuntimeError: the model cannot be fetched, or it is too large to run without CUDA.
+    """
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    cuda = torch.cuda.is_available()
+    device = torch.device(options.device if options.device != "auto" else "cuda" if cuda else "cpu")
+    dtype = getattr(torch, options.dtype) if options.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
+    try:
+        config = FluxTransformer2DModel.load_config(options.model, subfolder="transformer")
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot load {options.model!r} ({exc}). Offline, or without access to a gated Hub repo, "
+            "run the bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
+        ) from exc
+    if device.type == "cpu":
+        with torch.device("meta"):
+            params = sum(p.numel() for p in FluxTransformer2DModel.from_config(config).parameters())
+        if params > CPU_MAX_PARAMS:
+            raise RuntimeError(
+                f"{options.model} has a {params / 1e9:.1f}B-parameter transformer ({params * 2 / 1e9:.0f} GB in "
+                "bfloat16): it needs a CUDA GPU with room for it and the text encoders. Without one, run the "
+                "bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
+            )
     return FluxPipeline.from_pretrained(options.model, dtype=dtype).to(device)
 
 

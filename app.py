@@ -1,0 +1,144 @@
+"""FLUX with regionally AoT-compiled blocks, served by Gradio.
+
+    python app.py                                 # FLUX.1-dev on a CUDA GPU
+    MODEL_ID=assets/tiny-flux python app.py       # the bundled tiny pipeline, anywhere
+    python app.py --no-compile                    # the eager pipeline, for comparison
+
+Every option of compile.py works here too (flag or environment variable; see README.md).
+"""
+
+import argparse
+import logging
+import math
+import random
+import time
+
+import gradio as gr
+import spaces
+import torch
+
+from compile import apply_, compile_blocks, load_pipeline
+from options import Options
+
+# --- configuration ---------------------------------------------------------------------------
+STARTED = time.perf_counter()
+PARSER = argparse.ArgumentParser(description=__doc__, parents=[Options.parser()])
+OPTIONS = Options.from_env(PARSER.parse_known_args()[0] if __name__ == "__main__" else None)
+MAX_SEED = 2**31 - 1
+MAX_STEPS = 50
+MAX_GUIDANCE = 10.0
+# ZeroGPU grants a worker for `duration` seconds and refuses requests above its cap. Seconds per step
+# at 1024x1024 (4096 image tokens): 0.10 measured on a full H200 with FA3 + FP8 (BENCHMARKS.md),
+# 0.18 eager; x3 for a MIG slice and slack. Text encoders + VAE: 10 s.
+SECONDS_PER_STEP_AT_4096_TOKENS = 3 * 0.18
+MAX_GPU_SECONDS = 120
+EXAMPLES = [
+    "a photo of a red fox in fresh snow, morning light",
+    "an isometric pixel-art lighthouse on a cliff at dusk",
+    "a bowl of ramen on a wooden table, steam rising, studio photo",
+]
+
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+log = logging.getLogger("app")
+
+# --- startup: load, compile, apply --------------------------------------------------------------
+pipe = load_pipeline(OPTIONS)
+RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
+# Guidance-distilled transformers (FLUX.1-dev) take an embedded guidance scale; timestep-distilled
+# ones (FLUX.1-schnell, no guidance embedding) ignore it and need few steps.
+GUIDED = bool(pipe.transformer.config.guidance_embeds)
+DEFAULT_STEPS, DEFAULT_GUIDANCE = (28, 3.5) if GUIDED else (4, 0.0)
+TEXT_TOKENS = 512  # T5 sequence length the blocks are compiled for (FluxPipeline's max_sequence_length)
+if OPTIONS.compile:
+    REPORT = apply_(pipe, compile_blocks(pipe, OPTIONS))
+    log.info("compiled blocks:\n%s", REPORT)
+    STATUS = REPORT.summary()
+else:
+    STATUS = "eager pipeline (compile switched off: AOT_COMPILE=0 / --no-compile)"
+log.info("%s; startup took %.1f s", STATUS, time.perf_counter() - STARTED)
+
+
+# --- generation --------------------------------------------------------------------------------
+def check_request(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float) -> None:
+    """Raise `gr.Error` saying what is allowed, before any GPU work."""
+    if not prompt or not prompt.strip():
+        raise gr.Error("Enter a prompt.")
+    try:
+        RESOLUTION.check(int(height), int(width))
+    except ValueError as exc:
+        raise gr.Error(str(exc)) from None
+    if not 1 <= steps <= MAX_STEPS or steps != int(steps):
+        raise gr.Error(f"steps={steps}: use a whole number from 1 to {MAX_STEPS}.")
+    if not 0.0 <= guidance <= MAX_GUIDANCE:
+        raise gr.Error(f"guidance={guidance}: use a value from 0 to {MAX_GUIDANCE}.")
+    if not 0 <= seed <= MAX_SEED or seed != int(seed):
+        raise gr.Error(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
+
+
+def gpu_seconds(prompt, seed, width, height, steps, guidance) -> int:
+    """ZeroGPU duration for one request: 10 s + steps x per-step time scaled by image tokens, capped."""
+    tokens = RESOLUTION.tokens(int(height), int(width))
+    return min(MAX_GPU_SECONDS, math.ceil(10 + steps * SECONDS_PER_STEP_AT_4096_TOKENS * tokens / 4096))
+
+
+@spaces.GPU(duration=gpu_seconds)
+def infer(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float):
+    generator = torch.Generator(device=pipe.device).manual_seed(seed)
+    return pipe(
+        prompt=prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        max_sequence_length=TEXT_TOKENS,
+        generator=generator,
+    ).images[0]
+
+
+def generate(
+    prompt: str,
+    seed: int,
+    randomize_seed: bool,
+    width: int,
+    height: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    progress=gr.Progress(track_tqdm=True),  # noqa: B008 (gradio injects it)
+):
+    """Generate one image; returns (PIL image, seed used). Invalid input raises `gr.Error`."""
+    check_request(prompt, seed, width, height, num_inference_steps, guidance_scale)
+    if len(pipe.tokenizer_2(prompt).input_ids) > TEXT_TOKENS:
+        gr.Warning(f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored.")
+    seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
+    image = infer(prompt, seed, int(width), int(height), int(num_inference_steps), float(guidance_scale))
+    return image, seed
+
+
+# --- UI ---------------------------------------------------------------------------------------
+with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
+    gr.Markdown(f"# FLUX, compiled ahead of time\n`{OPTIONS.model}` · {STATUS}")
+    with gr.Row():
+        prompt = gr.Textbox(label="Prompt", placeholder="Describe the image", scale=4, max_lines=4)
+        run = gr.Button("Generate", variant="primary", scale=1)
+    result = gr.Image(label="Result", format="png")
+    with gr.Accordion("Advanced", open=False):
+        seed = gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed")
+        randomize_seed = gr.Checkbox(value=True, label="Randomize seed")
+        with gr.Row():
+            lo, hi, step = RESOLUTION.min_side, RESOLUTION.max_side, RESOLUTION.step
+            width = gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Width")
+            height = gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Height")
+        steps = gr.Slider(1, MAX_STEPS, value=DEFAULT_STEPS, step=1, label="Steps")
+        guidance = gr.Slider(0.0, MAX_GUIDANCE, value=DEFAULT_GUIDANCE, step=0.1, label="Guidance", visible=GUIDED)
+    gr.Examples(EXAMPLES, inputs=[prompt])
+    gr.on(
+        triggers=[run.click, prompt.submit],
+        fn=generate,
+        inputs=[prompt, seed, randomize_seed, width, height, steps, guidance],
+        outputs=[result, seed],
+        api_name="generate",
+    )
+demo.queue(default_concurrency_limit=1)
+
+if __name__ == "__main__":
+    demo.launch()

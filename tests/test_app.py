@@ -1,0 +1,161 @@
+"""The Space: `python app.py` on the tiny pipeline, driven over HTTP by gradio_client and in Chromium."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from PIL import Image
+
+from compile import load_pipeline
+from options import Options
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python app.py` serving the tiny pipeline on 127.0.0.1; yields its URL."""
+    port = free_port()
+    env = {**os.environ, "MODEL_ID": TINY, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while "Running on local URL" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"app.py did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return Client(server, verbose=False)
+
+
+def generate(client, prompt="a red cat", seed=7, randomize=False, width=512, height=768, steps=2, guidance=3.5):
+    path, seed = client.predict(prompt, seed, randomize, width, height, steps, guidance, api_name="/generate")
+    return np.asarray(Image.open(path)), seed
+
+
+def test_image_of_the_requested_size_comes_back_with_its_seed(client):
+    image, seed = generate(client, width=768, height=512, seed=11)
+    assert image.shape == (512, 768, 3) and seed == 11
+
+
+def test_same_seed_same_image_and_random_seed_is_reported(client):
+    first, _ = generate(client, seed=3)
+    second, _ = generate(client, seed=3)
+    other, _ = generate(client, seed=4)
+    assert np.array_equal(first, second)
+    assert not np.array_equal(first, other)
+    _, seed = generate(client, seed=3, randomize=True)
+    assert 0 <= seed < 2**31 and isinstance(seed, int)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prompt": "   "}, "Enter a prompt"),
+        ({"width": 520}, r"width=520 is not allowed: the compiled blocks accept sides 512\.\.1536 px in steps of 16"),
+        ({"height": 2048}, "2048 is greater than maximum value 1536"),
+        ({"steps": 0}, "0 is less than minimum value 1"),
+        ({"guidance": 11.0}, "greater than maximum value 10"),
+        ({"seed": -1}, "less than minimum value 0"),
+    ],
+)
+def test_invalid_request_is_refused_and_the_next_one_works(client, change, message):
+    with pytest.raises(AppError, match=message):
+        generate(client, **change)
+    image, _ = generate(client)
+    assert image.shape == (768, 512, 3)
+
+
+def test_prompt_longer_than_the_text_encoder_still_generates(client):
+    image, _ = generate(client, prompt="a very long prompt " * 40)  # > 512 T5 tokens (one per character)
+    assert image.shape == (768, 512, 3)
+
+
+def test_two_simultaneous_requests_both_complete(client, server):
+    def one(seed):
+        return generate(Client(server, verbose=False), seed=seed)[1]
+
+    with ThreadPoolExecutor(2) as pool:
+        assert sorted(pool.map(one, [21, 22])) == [21, 22]
+
+
+def test_eager_switch_serves_the_uncompiled_pipeline():
+    env = {**os.environ, "MODEL_ID": TINY, "AOT_COMPILE": "0"}
+    code = "import json, app; print(json.dumps([app.STATUS, app.generate('a cat', 1, False, 512, 512, 1, 3.5)[1]]))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status, seed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert status.startswith("eager pipeline") and seed == 1
+
+
+def test_large_model_without_cuda_names_what_it_needs(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bench import TRANSFORMER  # FLUX.1-dev's transformer config
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(TRANSFORMER))
+    with pytest.raises(RuntimeError, match=r"11\.9B-parameter transformer .* needs a CUDA GPU"):
+        load_pipeline(Options(model=str(tmp_path), device="cpu"))
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    not chromium() and not os.environ.get("REQUIRE_BROWSER"),
+    reason="no Chromium (apt-get install chromium); CI sets REQUIRE_BROWSER=1",
+)
+def test_browser_types_a_prompt_clicks_generate_and_sees_the_image(server):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium(),
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        page = browser.new_page(viewport={"width": 1100, "height": 1000})
+        page.goto(server)
+        page.get_by_label("Prompt").fill("a lighthouse at dusk")
+        page.get_by_role("button", name="Generate").click()
+        image = page.locator("img[src*='image.png'], img[src*='/file=']").first
+        expect(image).to_be_visible(timeout=120_000)
+        (ROOT / "docs").mkdir(exist_ok=True)
+        page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
+        browser.close()
