@@ -17,7 +17,8 @@ import gradio as gr
 import spaces
 import torch
 
-from compile import apply_, compile_blocks, load_pipeline
+from blocks import apply_
+from compile import compile_blocks, load_pipeline
 from options import Options
 
 # --- configuration ---------------------------------------------------------------------------

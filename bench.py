@@ -189,7 +189,8 @@ def generate(pipe, size: int, steps: int) -> tuple[float, torch.Tensor]:
 
 def block_ms(pipe, size: int) -> dict[str, float]:
     """Median ms of the first block of each repeated class on its real inputs at size x size."""
-    from compile import capture_blocks, repeated_blocks
+    from blocks import repeated_blocks
+    from compile import capture_blocks
 
     firsts = {name: blocks[0] for name, blocks in repeated_blocks(pipe.transformer).items()}
     (calls,) = capture_blocks(pipe, firsts, [(size, size)])

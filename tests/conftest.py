@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile import apply_, compile_blocks, load_pipeline
+from blocks import apply_
+from compile import compile_blocks, load_pipeline
 from options import Options
 
 TINY = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-flux")

@@ -7,17 +7,16 @@ import torch
 from conftest import TOLERANCE, generate, load_tiny
 from diffusers import FluxTransformer2DModel
 
-from compile import (
+from blocks import (
+    BlockPackage,
     CompiledBlock,
     apply_,
     block_constants,
-    compile_package,
     contract_from_captures,
-    dynamic_shapes,
-    export_block,
     rel_error,
     repeated_blocks,
 )
+from compile import capture_blocks, compile_package, dynamic_shapes, export_block
 from options import Resolution
 
 
@@ -160,8 +159,6 @@ def test_tensor_subclass_weights_bind_to_a_weights_less_package():
         quantize_(block, Int8WeightOnlyConfig())
     assert "proj_out.parametrizations.weight.original0" in block_constants(blocks[0])
     package = compile_package(export_block(blocks[0], kwargs, contract))
-    from compile import BlockPackage
-
     holder = BlockPackage("FluxSingleTransformerBlock", package, contract, {}, False, 0.0, 0.0, 0.0)
     for block in blocks:
         expected = block(**kwargs)
@@ -175,16 +172,12 @@ def compiled_pipe_resolution(pipe) -> Resolution:
 
 def _block_inputs(pipe, block_class: str) -> dict:
     """Real inputs of the first block of `block_class`, captured from a 512x512 pipeline call."""
-    from compile import capture_blocks
-
     first = repeated_blocks(pipe.transformer)[block_class][0]
     (calls,) = capture_blocks(pipe, {block_class: first}, [(512, 512)])
     return copy.copy(calls[block_class][1])
 
 
 def _contract(pipe, block_class: str):
-    from compile import capture_blocks
-
     resolution = Resolution(512, 1536)
     first = repeated_blocks(pipe.transformer)[block_class][0]
     captures = capture_blocks(pipe, {block_class: first}, [(512, 512), (768, 768)])

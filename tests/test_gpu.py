@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import TINY, generate
 
-from compile import MAX_REL_ERROR, apply_, compile_blocks, load_pipeline, rel_error
+from blocks import apply_, rel_error
+from compile import MAX_REL_ERROR, compile_blocks, load_pipeline
 from fast_paths import FP8_MAX_REL_ERROR
 from options import Options
 

@@ -1,0 +1,333 @@
+"""Compiled blocks at run time: the input contract, the package, and binding it to every block.
+
+A package is weights-less: `CompiledBlock` loads it once per block and binds that block's own
+tensors with `load_constants(user_managed=True)`, so the transformer keeps one copy of its weights.
+AOTInductor checks no input shapes, so every call is checked against the `Contract` first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fast_paths import Decision, fp8_config, load_fa3, quantize_block_
+from options import Resolution
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def forward_signature(module: torch.nn.Module) -> inspect.Signature:
+    """The signature of the class's own `forward`, without `self` (also once `forward` is patched)."""
+    signature = inspect.signature(type(module).forward)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a compiled block accepts for one tensor input: shape with dynamic dims, dtype, device."""
+
+    path: str
+    shape: tuple[int | None, ...]  # None: this dim is image tokens + offsets[dim]
+    offsets: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The inputs a package accepts; checked before every compiled call (AOTI itself checks none)."""
+
+    block: str
+    tree: pytree.TreeSpec  # structure of the kwargs, non-tensor values included
+    tensors: tuple[TensorSpec, ...]
+    constants: tuple[Any, ...]  # captured non-tensor leaves; must be equal at every call
+    resolution: Resolution
+
+    def check(self, kwargs: dict[str, Any]) -> None:
+        """Raise `ValueError` naming what differs from the compiled inputs."""
+        leaves, tree = pytree.tree_flatten(kwargs)
+        if tree != self.tree:
+            raise ValueError(f"{self.block} was compiled for inputs {self.tree}; got {tree}")
+        tensors = iter(self.tensors)
+        constants = iter(self.constants)
+        tokens = None
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                expected = next(constants)
+                if leaf != expected:
+                    raise ValueError(f"{self.block} was compiled with the value {expected!r}; got {leaf!r}")
+                continue
+            spec = next(tensors)
+            if leaf.dtype != spec.dtype or leaf.device.type != spec.device or leaf.dim() != len(spec.shape):
+                raise ValueError(
+                    f"{self.block}: {spec.path} must be a {len(spec.shape)}-d {spec.dtype} tensor on "
+                    f"{spec.device}; got {leaf.dim()}-d {leaf.dtype} on {leaf.device.type}"
+                )
+            for dim, (want, have) in enumerate(zip(spec.shape, leaf.shape, strict=True)):
+                if want is None:
+                    have_tokens = have - spec.offsets[dim]
+                    tokens = have_tokens if tokens is None else tokens
+                    lo, hi = self.resolution.token_range
+                    if have_tokens != tokens or not lo <= have_tokens <= hi:
+                        raise ValueError(
+                            f"{self.block} was compiled for {self.resolution.describe()}; "
+                            f"{spec.path} has {have_tokens} image tokens (shape {tuple(leaf.shape)})"
+                        )
+                elif want != have:
+                    raise ValueError(
+                        f"{self.block} was compiled for {spec.path} of shape {_shape_str(spec)}; "
+                        f"got {tuple(leaf.shape)} (batch size and text length are fixed at compile time)"
+                    )
+
+
+def _shape_str(spec: TensorSpec) -> str:
+    dims = [
+        ("T" if not off else f"T+{off}") if d is None else str(d)
+        for d, off in zip(spec.shape, spec.offsets, strict=True)
+    ]
+    return "[" + ", ".join(dims) + "], T = image tokens"
+
+
+def contract_from_captures(block: str, calls: list[Call], tokens: list[int], resolution: Resolution) -> Contract:
+    """Find the inputs that follow the image-token count by comparing captures at two sizes.
+
+    A dimension that changes between the captures must equal image tokens plus a constant offset
+    (`image_rotary_emb` covers text + image tokens); every other dimension is fixed.
+
+    Raises:
+        ValueError: the captures differ in structure or in a way the rule cannot describe.
+    """
+    (_, first), (_, second) = calls
+    leaves_a, tree = pytree.tree_flatten_with_path(first)
+    leaves_b, tree_b = pytree.tree_flatten_with_path(second)
+    if tree != tree_b:
+        raise ValueError(f"{block}: inputs differ in structure between captures: {tree} vs {tree_b}")
+    specs, constants = [], []
+    for (path, a), (_, b) in zip(leaves_a, leaves_b, strict=True):
+        name = _path_name(path)
+        if not isinstance(a, torch.Tensor):
+            constants.append(a)
+            continue
+        shape, offsets = [], []
+        for dim, (da, db) in enumerate(zip(a.shape, b.shape, strict=True)):
+            if da == db:
+                shape.append(da)
+                offsets.append(0)
+            elif da - tokens[0] == db - tokens[1]:
+                shape.append(None)
+                offsets.append(da - tokens[0])
+            else:
+                raise ValueError(
+                    f"{block}: {name} dim {dim} is {da} at {tokens[0]} image tokens and {db} at {tokens[1]}: "
+                    "not image tokens plus a constant, so one dynamic graph cannot serve both"
+                )
+        specs.append(TensorSpec(name, tuple(shape), tuple(offsets), a.dtype, a.device.type))
+    return Contract(block, pytree.tree_structure(first), tuple(specs), tuple(constants), resolution)
+
+
+def _path_name(path: tuple) -> str:
+    """`image_rotary_emb[0]` for the pytree path ('image_rotary_emb', 0)."""
+    name = pytree.keystr(path)  # "['image_rotary_emb'][0]"
+    return name.replace("['", ".").replace("']", "").lstrip(".")
+
+
+def block_constants(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The block's parameters and buffers under the names a package uses for its constants.
+
+    Tensor-subclass weights (torchao quantization) are exported as their inner tensors under
+    `<module>.parametrizations.weight.original<i>`; torch's `unwrap_tensor_subclass_parameters`
+    gives the same names. It runs on a shallow clone, so `block` is untouched and no tensor is
+    copied: the returned tensors are the block's own storage.
+    """
+    from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
+
+    clone = _shallow_clone(block)
+    unwrap_tensor_subclass_parameters(clone)
+    return clone.state_dict(keep_vars=True)
+
+
+def _shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
+    clone = object.__new__(type(module))
+    clone.__dict__ = module.__dict__.copy()
+    clone._parameters = module._parameters.copy()
+    clone._buffers = module._buffers.copy()
+    clone._modules = {name: _shallow_clone(child) for name, child in module._modules.items() if child is not None}
+    return clone
+
+
+@dataclass
+class BlockPackage:
+    """A compiled block class: the package bytes and what it needs at run time. Picklable."""
+
+    block: str
+    package: bytes
+    contract: Contract
+    constants: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
+    fp8: bool
+    export_s: float
+    compile_s: float
+    rel_error: float
+
+
+class CompiledBlock:
+    """Replaces one block's `forward`: checks the inputs, then runs the class's package.
+
+    The package is loaded at the first call (on ZeroGPU that is inside the GPU worker) and bound
+    once to this block's own tensors (`load_constants(user_managed=True)`: no copy).
+    """
+
+    def __init__(self, block: torch.nn.Module, package: BlockPackage, index: int):
+        self.block, self.package, self.index = block, package, index
+        self._signature = forward_signature(block)
+        self._runner = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = dict(self._signature.bind(*args, **kwargs).arguments)
+        self.package.contract.check(kwargs)
+        if self._runner is None:
+            with self._lock:
+                if self._runner is None:
+                    self._runner = self._load()
+        return self._runner(**kwargs)
+
+    def _load(self):
+        runner = torch._inductor.aoti_load_package(io.BytesIO(self.package.package))
+        constants = block_constants(self.block)
+        runner.load_constants(
+            {name: constants[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
+        )
+        return runner
+
+
+def check_constants(block: torch.nn.Module, package: BlockPackage, index: int) -> None:
+    """Raise `ValueError` unless `block` holds every constant the package needs, same shape and dtype.
+
+    Catches a package applied to other weights (another model, `fuse_qkv_projections` after
+    capture, FP8 on one side only) before any call, instead of a crash inside the package.
+    """
+    have = block_constants(block)
+    missing = sorted(set(package.constants) - set(have))
+    wrong = [
+        f"{name} {tuple(have[name].shape)} {have[name].dtype} (package: {shape} {dtype})"
+        for name, (shape, dtype) in package.constants.items()
+        if name in have and (tuple(have[name].shape) != shape or have[name].dtype != dtype)
+    ]
+    if missing or wrong:
+        raise ValueError(
+            f"{package.block} #{index} does not match its compiled package: "
+            f"missing constants {missing[:5]}{'...' if len(missing) > 5 else ''}; mismatched {wrong[:5]}"
+        )
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
+    """The transformer's repeated blocks by class name, from `transformer._repeated_blocks`.
+
+    Raises:
+        ValueError: the attribute is missing, or a listed class has no instance in the model.
+    """
+    names = getattr(transformer, "_repeated_blocks", None)
+    if not names:
+        raise ValueError(
+            f"{type(transformer).__name__} has no `_repeated_blocks`: regional compilation needs the "
+            "list of repeated block class names (diffusers sets it on FluxTransformer2DModel)"
+        )
+    found = {name: [m for m in transformer.modules() if type(m).__name__ == name] for name in names}
+    empty = [name for name, blocks in found.items() if not blocks]
+    if empty:
+        raise ValueError(
+            f"{type(transformer).__name__}._repeated_blocks lists {', '.join(empty)}, "
+            "but the model has no block of that class"
+        )
+    return found
+
+
+@dataclass
+class Compiled:
+    """What `compile_blocks` returns: one package per block class plus the decisions. Picklable."""
+
+    packages: dict[str, BlockPackage]
+    decisions: list[Decision]
+    resolution: Resolution
+    fa3_kernel: str | None
+    fp8_granularity: str
+
+
+def rel_error(out: Any, ref: Any) -> float:
+    """max over output tensors of ||out - ref|| / ||ref||, in float64; NaN anywhere gives inf."""
+    errors = []
+    for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref), strict=True):
+        o, r = o.double(), r.double()
+        err = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+        errors.append(err if err == err else float("inf"))
+    return max(errors)
+
+
+def apply_(pipe: Any, compiled: Compiled) -> Report:
+    """Patch every repeated block of `pipe.transformer` to run its class's package, in place.
+
+    Each block keeps its parameters (the package binds to them: one copy of the weights).
+
+    Raises:
+        ValueError: a block does not match its package, or the patched count is off.
+    """
+    if any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules()):
+        raise ValueError(
+            "the transformer has accelerate offload hooks (enable_model_cpu_offload / "
+            "enable_sequential_cpu_offload): they move weights between calls, while compiled blocks bind "
+            "to the weights' memory once. Keep the pipeline on the GPU (pipe.to('cuda')) to compile it."
+        )
+    if compiled.fa3_kernel is not None:
+        load_fa3(compiled.fa3_kernel)  # the packages call the FA3 op: register its kernel first
+    blocks = repeated_blocks(pipe.transformer)
+    rows = []
+    for name, found in blocks.items():
+        package = compiled.packages[name]
+        if package.fp8:
+            for block in found:
+                quantize_block_(block, fp8_config(compiled.fp8_granularity))
+        for index, block in enumerate(found):
+            check_constants(block, package, index)
+        for index, block in enumerate(found):
+            block.forward = CompiledBlock(block, package, index)
+        rows.append((package, len(found)))
+    patched = sum(isinstance(m.__dict__.get("forward"), CompiledBlock) for m in pipe.transformer.modules())
+    if patched != sum(count for _, count in rows):
+        raise ValueError(f"patched {patched} blocks, expected {sum(count for _, count in rows)}")
+    return Report(rows, compiled.decisions, compiled.resolution)
+
+
+@dataclass
+class Report:
+    """What `optimize_` did: per block class, and every decision with its reason."""
+
+    rows: list[tuple[BlockPackage, int]]
+    decisions: list[Decision]
+    resolution: Resolution
+
+    def summary(self) -> str:
+        """One line for a UI: what is compiled and which fast paths are on."""
+        blocks = sum(count for _, count in self.rows)
+        decisions = ", ".join(f"{d.name}: {d.value}" for d in self.decisions)
+        return f"AoT-compiled: {len(self.rows)} block classes, {blocks} blocks; {decisions}"
+
+    def __str__(self) -> str:
+        lines = [
+            "| block class | blocks | package | export s | compile s | rel. error vs eager | image tokens |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lo, hi = self.resolution.token_range
+        for package, count in self.rows:
+            lines.append(
+                f"| {package.block} | {count} | {len(package.package) / 1e6:.2f} MB | {package.export_s:.1f} "
+                f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {lo}..{hi} |"
+            )
+        lines.append(f"sizes: {self.resolution.describe()}")
+        lines += [str(d) for d in self.decisions]
+        return "\n".join(lines)
