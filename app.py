@@ -17,8 +17,7 @@ import gradio as gr
 import spaces
 import torch
 
-from blocks import apply_
-from compile import compile_blocks, load_pipeline
+from compile import load_pipeline, optimize_
 from options import Options
 
 # --- configuration ---------------------------------------------------------------------------
@@ -51,7 +50,7 @@ GUIDED = bool(pipe.transformer.config.guidance_embeds)
 DEFAULT_STEPS, DEFAULT_GUIDANCE = (28, 3.5) if GUIDED else (4, 0.0)
 TEXT_TOKENS = 512  # T5 sequence length the blocks are compiled for (FluxPipeline's max_sequence_length)
 if OPTIONS.compile:
-    REPORT = apply_(pipe, compile_blocks(pipe, OPTIONS))
+    REPORT = optimize_(pipe, OPTIONS)  # binds saved packages (AOT_LOAD) or compiles on the GPU
     log.info("compiled blocks:\n%s", REPORT)
     STATUS = REPORT.summary()
 else:

@@ -7,6 +7,7 @@ AOTInductor checks no input shapes, so every call is checked against the `Contra
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import io
 import threading
@@ -48,6 +49,31 @@ class Contract:
     tensors: tuple[TensorSpec, ...]
     constants: tuple[Any, ...]  # captured non-tensor leaves; must be equal at every call
     resolution: Resolution
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able description (for `packages.save`); the resolution is stored beside it."""
+        return {
+            "tree": pytree.treespec_dumps(self.tree),
+            "tensors": [
+                {
+                    "path": t.path,
+                    "shape": list(t.shape),
+                    "offsets": list(t.offsets),
+                    "dtype": dtype_name(t.dtype),
+                    "device": t.device,
+                }
+                for t in self.tensors
+            ],
+            "constants": list(self.constants),
+        }
+
+    @classmethod
+    def from_json(cls, block: str, data: dict[str, Any], resolution: Resolution) -> Contract:
+        tensors = tuple(
+            TensorSpec(t["path"], tuple(t["shape"]), tuple(t["offsets"]), getattr(torch, t["dtype"]), t["device"])
+            for t in data["tensors"]
+        )
+        return cls(block, pytree.treespec_loads(data["tree"]), tensors, tuple(data["constants"]), resolution)
 
     def check(self, kwargs: dict[str, Any]) -> None:
         """Raise `ValueError` naming what differs from the compiled inputs."""
@@ -174,6 +200,30 @@ class BlockPackage:
     compile_s: float
     rel_error: float
 
+    def metadata(self) -> dict[str, Any]:
+        """Everything but the bytes, JSON-able, with the bytes' size and SHA-256 to verify them."""
+        return {
+            "contract": self.contract.to_json(),
+            "constants": {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in self.constants.items()},
+            "fp8": self.fp8,
+            "export_s": self.export_s,
+            "compile_s": self.compile_s,
+            "rel_error": self.rel_error,
+            "bytes": len(self.package),
+            "sha256": hashlib.sha256(self.package).hexdigest(),
+        }
+
+    @classmethod
+    def from_metadata(cls, block: str, package: bytes, meta: dict[str, Any], resolution: Resolution) -> BlockPackage:
+        constants = {name: (tuple(shape), getattr(torch, dtype)) for name, (shape, dtype) in meta["constants"].items()}
+        contract = Contract.from_json(block, meta["contract"], resolution)
+        timings = meta["export_s"], meta["compile_s"], meta["rel_error"]
+        return cls(block, package, contract, constants, meta["fp8"], *timings)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 class CompiledBlock:
     """Replaces one block's `forward`: checks the inputs, then runs the class's package.
@@ -257,6 +307,8 @@ class Compiled:
     resolution: Resolution
     fa3_kernel: str | None
     fp8_granularity: str
+    fingerprint: dict[str, Any]  # what the packages are valid for (`packages.fingerprint`)
+    source: str = "compiled"  # or "loaded from <folder or repo>"
 
 
 def rel_error(out: Any, ref: Any) -> float:
@@ -300,7 +352,7 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
     patched = sum(isinstance(m.__dict__.get("forward"), CompiledBlock) for m in pipe.transformer.modules())
     if patched != sum(count for _, count in rows):
         raise ValueError(f"patched {patched} blocks, expected {sum(count for _, count in rows)}")
-    return Report(rows, compiled.decisions, compiled.resolution)
+    return Report(rows, compiled.decisions, compiled.resolution, compiled.source)
 
 
 @dataclass
@@ -310,12 +362,13 @@ class Report:
     rows: list[tuple[BlockPackage, int]]
     decisions: list[Decision]
     resolution: Resolution
+    source: str
 
     def summary(self) -> str:
         """One line for a UI: what is compiled and which fast paths are on."""
         blocks = sum(count for _, count in self.rows)
         decisions = ", ".join(f"{d.name}: {d.value}" for d in self.decisions)
-        return f"AoT-compiled: {len(self.rows)} block classes, {blocks} blocks; {decisions}"
+        return f"AoT {self.source}: {len(self.rows)} block classes, {blocks} blocks; {decisions}"
 
     def __str__(self) -> str:
         lines = [
@@ -328,6 +381,7 @@ class Report:
                 f"| {package.block} | {count} | {len(package.package) / 1e6:.2f} MB | {package.export_s:.1f} "
                 f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {lo}..{hi} |"
             )
+        lines.append(f"packages: {self.source}")
         lines.append(f"sizes: {self.resolution.describe()}")
         lines += [str(d) for d in self.decisions]
         return "\n".join(lines)

@@ -71,6 +71,22 @@ class Options:
     )
     min_side: int = field(default=MIN_SIDE, metadata=_option("AOT_MIN_SIDE", "smallest image side in pixels", type=int))
     max_side: int = field(default=MAX_SIDE, metadata=_option("AOT_MAX_SIDE", "largest image side in pixels", type=int))
+    load: str | None = field(
+        default=None,
+        metadata=_option(
+            "AOT_LOAD",
+            "load compiled packages from this folder or Hub repo instead of compiling; compile when they do not match",
+        ),
+    )
+    save: str | None = field(default=None, metadata=_option("AOT_SAVE", "save the compiled packages into this folder"))
+    push: str | None = field(
+        default=None,
+        metadata=_option("AOT_PUSH", "push the saved packages to this Hub repo id (token: HF_TOKEN) or folder"),
+    )
+    strict: bool = field(
+        default=False,
+        metadata=_option("AOT_STRICT", "raise instead of compiling when packages from --load cannot be used"),
+    )
     device: str = field(default="auto", metadata=_option("AOT_DEVICE", "cuda, cpu, or auto (cuda when available)"))
     dtype: str = field(
         default="auto",

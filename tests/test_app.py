@@ -133,7 +133,7 @@ def chromium() -> str | None:
     not chromium() and not os.environ.get("REQUIRE_BROWSER"),
     reason="no Chromium (apt-get install chromium); CI sets REQUIRE_BROWSER=1",
 )
-def test_browser_types_a_prompt_clicks_generate_and_sees_the_image(server):
+def test_browser_types_a_prompt_clicks_generate_and_sees_the_image(server, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
@@ -156,6 +156,7 @@ def test_browser_types_a_prompt_clicks_generate_and_sees_the_image(server):
         page.get_by_role("button", name="Generate").click()
         image = page.locator("img[src*='image.png'], img[src*='/file=']").first
         expect(image).to_be_visible(timeout=120_000)
-        (ROOT / "docs").mkdir(exist_ok=True)
-        page.screenshot(path=str(ROOT / "docs" / "screenshot.png"), full_page=True)
+        # UPDATE_SCREENSHOT=1 refreshes the committed docs/screenshot.png.
+        folder = ROOT / "docs" if os.environ.get("UPDATE_SCREENSHOT") else tmp_path
+        page.screenshot(path=str(folder / "screenshot.png"), full_page=True)
         browser.close()

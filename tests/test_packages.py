@@ -1,0 +1,165 @@
+"""Saved packages (CPU, tiny pipeline): save, load in a fresh process, every kind of stale or broken set."""
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
+from diffusers import FluxTransformer2DModel
+
+from blocks import rel_error
+from compile import optimize_
+from packages import load_packages, push_packages, save_packages
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANT = "sdpa-float32"  # attention sdpa, float32 weights: what the CPU compiles
+CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+
+
+@pytest.fixture(scope="module")
+def saved(compiled, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("saved") / "packages"
+    save_packages(compiled, folder)
+    return folder
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    """A private copy of the saved folder to break."""
+    return Path(shutil.copytree(saved, tmp_path / "packages"))
+
+
+def test_layout_is_what_spaces_reads_and_holds_no_weights_or_paths(saved):
+    assert sorted(p.name for p in saved.iterdir()) == sorted(
+        [f"config.{VARIANT}.json", *(f"{c}.{VARIANT}" for c in CLASSES)]
+    )
+    config = (saved / f"config.{VARIANT}.json").read_text()
+    for private in (str(ROOT), str(Path.home()), str(saved), "/tmp/"):
+        assert private not in config
+    for block in CLASSES:
+        names = zipfile.ZipFile(saved / f"{block}.{VARIANT}" / "package.pt2").namelist()
+        assert any(n.endswith(".so") for n in names)
+        assert not [n for n in names if "weight" in n or "constants" in n], names
+
+
+def test_fresh_process_binds_saved_packages_without_compiling(saved, tmp_path, eager_pipe):
+    # The compile entry points are replaced by functions that fail: loading must not need them.
+    script = f"""
+import sys, numpy as np, torch
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import compile
+def refuse(*args, **kwargs):
+    raise AssertionError("compiled although packages were saved")
+compile.export_block = compile.compile_package = compile.compile_blocks = refuse
+from conftest import generate, load_tiny, tiny_options
+pipe = load_tiny()
+report = compile.optimize_(pipe, tiny_options(load={str(saved)!r}, strict=True))
+print(report.source)
+np.save({str(tmp_path / "image.npy")!r}, generate(pipe, 768, 512).numpy())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"loaded from {saved}" in done.stdout
+    actual = torch.from_numpy(np.load(tmp_path / "image.npy"))
+    assert rel_error(actual, generate(eager_pipe, 768, 512)) < TOLERANCE
+
+
+def _edit_fingerprint(folder: Path, **changes) -> None:
+    path = folder / f"config.{VARIANT}.json"
+    config = json.loads(path.read_text())
+    config["fingerprint"].update(changes)
+    path.write_text(json.dumps(config))
+
+
+def _package(folder: Path) -> Path:
+    return folder / f"FluxSingleTransformerBlock.{VARIANT}" / "package.pt2"
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+
+BREAKAGES = {
+    "other torch": (lambda f: _edit_fingerprint(f, torch="2.0.0"), r"torch: 2\.0\.0 \(packages\) vs"),
+    "other device": (lambda f: _edit_fingerprint(f, device="cuda sm_90"), r"device: cuda sm_90 \(packages\) vs cpu"),
+    "missing package": (lambda f: _package(f).unlink(), "package.pt2 is missing"),
+    "truncated package": (lambda f: _package(f).write_bytes(_package(f).read_bytes()[:1000]), "truncated"),
+    "corrupt package": (lambda f: _flip_bytes(_package(f)), "does not match its SHA-256"),
+    "missing config": (lambda f: (f / f"config.{VARIANT}.json").unlink(), f"no config.{VARIANT}.json"),
+    "unreadable config": (lambda f: (f / f"config.{VARIANT}.json").write_text("{"), "is unreadable"),
+}
+
+
+@pytest.mark.parametrize("kind", BREAKAGES)
+def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, kind, caplog, eager_pipe):
+    breakage, reason = BREAKAGES[kind]
+    breakage(copy)
+    with pytest.raises(RuntimeError, match=reason):  # strict: no silent fallback
+        optimize_(load_tiny(), tiny_options(load=str(copy), strict=True))
+    pipe = load_tiny()
+    with caplog.at_level(logging.WARNING, logger="compile"):
+        report = optimize_(pipe, tiny_options(load=str(copy)))
+    assert report.source == "compiled"
+    assert any("not used" in r.message and re.search(reason, r.message) for r in caplog.records)
+    assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
+
+
+def test_packages_for_other_options_or_another_model_are_refused(saved):
+    _, reason = load_packages(str(saved), load_tiny(), tiny_options(max_side=1024))
+    assert "sizes: [512, 1536, 16] (packages) vs [512, 1024, 16] (here)" in reason
+    pipe = load_tiny()
+    config = dict(pipe.transformer.config)
+    config["num_attention_heads"] = 4
+    pipe.transformer = FluxTransformer2DModel.from_config(config)
+    compiled, reason = load_packages(str(saved), pipe, tiny_options())
+    assert compiled is None and "FluxTransformerBlock weights differ" in reason
+
+
+def test_interrupted_save_leaves_the_previous_packages_usable(saved, copy, compiled, tmp_path):
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    pickled = tmp_path / "compiled.pkl"
+    pickled.write_bytes(pickle.dumps(compiled))
+    # A save killed (os._exit, like SIGKILL) right before its config is written.
+    script = f"""
+import os, pickle, sys
+sys.path.insert(0, {str(ROOT)!r})
+import packages
+write = packages._write
+packages._write = lambda path, data: os._exit(9) if path.name.startswith("config") else write(path, data)
+packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr[-2000:]
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None
+    save_packages(compiled, copy)  # the next save cleans up what the killed one left
+    assert not list(copy.parent.glob(".packages.*"))
+
+
+def test_push_to_a_local_folder_then_load_from_it(saved, tmp_path):
+    target = tmp_path / "hub-stand-in"
+    assert push_packages(saved, str(target)) == str(target)
+    push_packages(saved, str(target))  # pushing again replaces the same variant
+    compiled, reason = load_packages(str(target), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    assert compiled.source == f"loaded from {target}"
+
+
+def test_cli_loads_saved_packages(saved):
+    env = {**os.environ, "MODEL_ID": TINY}
+    cmd = [sys.executable, "compile.py", "--load", str(saved), "--strict"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"packages loaded from {saved}" in done.stdout
