@@ -1,20 +1,24 @@
-"""Benchmark regional AoT against eager on one GPU, every scenario in one run.
+"""Benchmark regional AoT against eager, every scenario in one run.
 
-The pipeline has FLUX.1-dev's published component configs and random weights (seeded; no download),
-so the numbers are about shapes and kernels, not image quality. Per scenario, with a fresh transformer
-built from the same seed:
+By default the pipeline has FLUX.1-dev's published component configs and seeded random weights (no
+download), so the numbers are about shapes and kernels, not image quality; `--model` takes a real
+one. Each group of scenarios runs in a fresh process with empty Inductor and Triton caches (a cold
+Space start), and the groups run one after another on the same GPU. Per scenario:
 
-    step ms      median of the transformer's forward at 1024x1024 (CUDA events, after warm-up)
-    s / image    one 28-step generation: text encoders + 28 steps + VAE decode
-    compile s    regional compile from scratch (empty Inductor cache)
-    peak GiB     peak allocated GPU memory during that generation
-    rel. error   ||latents - eager latents|| / ||eager latents|| after 28 steps, same seed
+    step ms      median of the transformer's forward (CUDA events, after warm-up)
     speedup      eager step ms / step ms, eager measured in this run
+    s / image    one generation: text encoders + all steps + VAE decode
+    ready s      compile: regional compile from scratch (* = second compile in its process);
+                 warm start: load + verify + bind the saved packages and run the first step
+    peak GiB     peak allocated GPU memory during that generation
+    rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
-It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last.
+The last scenario, `warm`, is the Space itself: app.py imported with the packages `all` saved
+(AOT_LOAD), then app.generate() on real prompts. It prints a markdown table, then one JSON line
+(date, GPU, versions, commit, rows) last.
 
-    python bench.py                      # all scenarios, 1024x1024, 28 steps
-    python bench.py --scenarios eager,aot
+    python bench.py                              # everything, 1024x1024, 28 steps
+    python bench.py --scenarios eager,aot --steps 8
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from compile import optimize_
+from blocks import probe_cpu_isa_in_background, repeated_blocks
+from compile import capture_blocks, load_pipeline, optimize_
 from options import Options
 
 ROOT = Path(__file__).resolve().parent
@@ -89,19 +94,20 @@ VAE = dict(
     use_quant_conv=False,
     use_post_quant_conv=False,
 )
-# Each scenario adds one piece to the options from the environment (AOT_FA3_KERNEL, ...); `all` is
-# the template's default: everything `auto`.
+# Scenarios add one piece each to the options from the environment (AOT_FA3_KERNEL, ...); `all` is
+# the template's default: everything `auto`. Each group runs in its own process.
 SCENARIOS = {
     "eager": None,
     "aot": dict(attention="sdpa", fp8="off"),
     "aot+fa3": dict(attention="fa3", fp8="off"),
     "aot+fp8": dict(attention="sdpa", fp8="on"),
     "all": dict(),
-    "aot+fp8-row": dict(attention="sdpa", fp8="on", fp8_granularity="row"),
-    "aot+fp8-tensor": dict(attention="sdpa", fp8="on", fp8_granularity="tensor"),
 }
-DEFAULT_SCENARIOS = "eager,aot,aot+fa3,aot+fp8,all"
-PROMPT = "a photo of a red fox in fresh snow, morning light"
+# aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
+# (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
+GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["warm"]]
+PROMPTS = ["a photo of a red fox in fresh snow, morning light", "an isometric pixel-art lighthouse at dusk"]
+RANDOM = "random-flux-dev"
 
 
 def random_transformer(device: str) -> torch.nn.Module:
@@ -145,24 +151,43 @@ def step_inputs(pipe, size: int) -> dict:
         captured.setdefault("kwargs", kwargs)
 
     handle = pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
-    pipe(PROMPT, height=size, width=size, num_inference_steps=1, output_type="latent")
+    pipe(PROMPTS[0], height=size, width=size, num_inference_steps=1, output_type="latent")
     handle.remove()
     return captured["kwargs"]
 
 
 def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
-    """Median milliseconds of `fn()` on the GPU, timed with CUDA events."""
+    """Median milliseconds of `fn()`: CUDA events on a GPU, a synchronized host clock elsewhere."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(times)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def generate(pipe, size: int, steps: int) -> tuple[float, torch.Tensor]:
@@ -173,61 +198,112 @@ def generate(pipe, size: int, steps: int) -> tuple[float, torch.Tensor]:
         final["latents"] = kwargs["latents"]
         return {}
 
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     pipe(
-        PROMPT,
+        PROMPTS[0],
         height=size,
         width=size,
         num_inference_steps=steps,
-        generator=torch.Generator("cuda").manual_seed(0),
+        generator=torch.Generator(pipe.device).manual_seed(0),
         callback_on_step_end=keep_latents,
     )
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, final["latents"].float()
+    sync()
+    return time.perf_counter() - start, final["latents"].float().cpu()
 
 
 def block_ms(pipe, size: int) -> dict[str, float]:
     """Median ms of the first block of each repeated class on its real inputs at size x size."""
-    from blocks import repeated_blocks
-    from compile import capture_blocks
-
     firsts = {name: blocks[0] for name, blocks in repeated_blocks(pipe.transformer).items()}
     (calls,) = capture_blocks(pipe, firsts, [(size, size)])
     with torch.no_grad():
         return {name: median_ms(lambda b=block, k=calls[name][1]: b(**k)) for name, block in firsts.items()}
 
 
-def run(pipe, name: str, options: Options | None, size: int, steps: int, reference: torch.Tensor | None):
-    """One scenario on a fresh transformer (same seed, so the same weights as eager).
-
-    Returns the row and the final latents."""
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-    pipe.transformer = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    pipe.transformer = random_transformer("cuda")
-    row = {"scenario": name, "compile_s": None, "decisions": []}
-    if options is not None:
-        with tempfile.TemporaryDirectory() as cache, temporary_cache_dir(cache):
-            start = time.perf_counter()
-            report = optimize_(pipe, options)
-            row["compile_s"] = time.perf_counter() - start
-        row["decisions"] = [str(d) for d in report.decisions]
-        row["blocks"] = {p.block: {"rel_error": p.rel_error, "fp8": p.fp8} for p, _ in report.rows}
-        print(report, flush=True)
-    kwargs = step_inputs(pipe, size)
+def measure(pipe, row: dict, args, reference: torch.Tensor | None) -> torch.Tensor:
+    """Fill in step ms, block ms, s / image, peak GiB and rel. error; return the final latents."""
+    kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
         row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
-    row["block_ms"] = block_ms(pipe, size)
-    generate(pipe, size, 2)  # warm up the text encoders and VAE at this size
-    torch.cuda.reset_peak_memory_stats()
-    row["s_per_image"], latents = generate(pipe, size, steps)
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    row["rel_error"] = 0.0 if reference is None else ((latents - reference).norm() / reference.norm()).item()
-    print(json.dumps(row), flush=True)
-    return row, latents
+    row["block_ms"] = block_ms(pipe, args.size)
+    generate(pipe, args.size, 2)  # warm up the text encoders and VAE at this size
+    reset_peak()
+    row["s_per_image"], latents = generate(pipe, args.size, args.steps)
+    row["peak_gib"] = peak_gib()
+    row["rel_error"] = None if reference is None else ((latents - reference).norm() / reference.norm()).item()
+    return latents
+
+
+def build(args):
+    if args.model == RANDOM:
+        probe_cpu_isa_in_background()  # as load_pipeline does while it loads weights
+        return random_flux_dev("cuda" if torch.cuda.is_available() else "cpu")
+    return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model}))
+
+
+def worker(names: list[str], args) -> None:
+    """Run `names` in this process; print one `ROW {json}` line per scenario."""
+    if names == ["warm"]:
+        return print("ROW " + json.dumps(warm_start(args)), flush=True)
+    pipe = build(args)
+    work = Path(args.work)
+    reference = torch.load(work / "eager.pt") if (work / "eager.pt").exists() else None
+    compiles = 0
+    for name in names:
+        row = {"scenario": name, "ready_s": None, "cold": None, "decisions": []}
+        try:
+            if SCENARIOS[name] is not None:
+                for block in pipe.transformer.modules():  # back to eager blocks, same weights
+                    block.__dict__.pop("forward", None)
+                options = dataclasses.replace(Options.from_env(), **SCENARIOS[name])
+                if name == "all":
+                    options = dataclasses.replace(options, save=str(work / "packages"))
+                start = time.perf_counter()
+                report = optimize_(pipe, options)
+                row["ready_s"], row["cold"] = time.perf_counter() - start, compiles == 0
+                compiles += 1
+                row["decisions"] = [str(d) for d in report.decisions]
+                row["blocks"] = {p.block: {"rel_error": p.rel_error, "fp8": p.fp8} for p, _ in report.rows}
+            latents = measure(pipe, row, args, reference)
+            if name == "eager":
+                torch.save(latents, work / "eager.pt")
+                reference = latents
+        except Exception as exc:  # one failing scenario must not hide the others' numbers
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        print("ROW " + json.dumps(row), flush=True)
+
+
+def warm_start(args) -> dict:
+    """app.py as a Space starts it with saved packages: import (load, verify, bind), first step, images."""
+    import compile
+
+    pipe = build(args)  # weights: not part of the warm start
+    compile.load_pipeline = lambda options: pipe  # app.py's own loader would download; this is the same pipeline
+    os.environ.update(AOT_LOAD=str(Path(args.work) / "packages"), AOT_STRICT="1")
+    row = {"scenario": "warm", "cold": None}
+    start = time.perf_counter()
+    import app
+
+    row["load_s"] = time.perf_counter() - start
+    pipe(PROMPTS[0], height=args.size, width=args.size, num_inference_steps=1, output_type="latent")
+    sync()
+    row["ready_s"] = time.perf_counter() - start
+    row["decisions"] = [app.STATUS]
+    kwargs = step_inputs(pipe, args.size)
+    with torch.no_grad():
+        row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
+    app.generate(PROMPTS[1], 1, False, args.size, args.size, 2, 3.5)  # warm up text encoders and VAE
+    reset_peak()
+    times = []
+    for seed, prompt in enumerate(PROMPTS):
+        start = time.perf_counter()
+        image, _ = app.generate(prompt, seed, False, args.size, args.size, args.steps, 3.5)
+        sync()
+        times.append(time.perf_counter() - start)
+    row["s_per_image"] = statistics.median(times)
+    row["peak_gib"] = peak_gib()
+    row["image_size"] = list(image.size)
+    return row
 
 
 def environment() -> dict:
@@ -237,7 +313,7 @@ def environment() -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return {
         "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "diffusers": diffusers.__version__,
@@ -246,45 +322,82 @@ def environment() -> dict:
     }
 
 
+def run_group(names: list[str], args, logs: Path) -> list[dict]:
+    """One group in a fresh process with empty compile caches; its log goes to `logs`."""
+    caches = Path(args.work) / "caches" / names[0]
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+    }
+    cmd = [sys.executable, __file__, "--worker", ",".join(names), *_shared_flags(args)]
+    log_path = logs / f"{names[0]}.log"
+    with open(log_path, "w") as log:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+    rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode != 0 or len(rows) != len(names):
+        tail = log_path.read_text()[-2000:]
+        rows += [{"scenario": n, "error": f"worker exited {done.returncode}: {tail}"} for n in names[len(rows) :]]
+    for row in rows:
+        print(f"{row['scenario']}: {row.get('error') or 'done'}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _shared_flags(args) -> list[str]:
+    return ["--model", args.model, "--size", str(args.size), "--steps", str(args.steps), "--work", args.work]
+
+
+def table(rows: list[dict], args) -> str:
+    eager = next(r for r in rows if r["scenario"] == "eager" and "error" not in r)
+    lines = [
+        f"{args.size}x{args.size}, {args.steps} steps, batch 1",
+        "| scenario | step ms | speedup | s / image | ready s | peak GiB | rel. error vs eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} |||||")
+            continue
+        row["speedup"] = eager["step_ms"] / row["step_ms"]
+        ready = "-" if row["ready_s"] is None else f"{row['ready_s']:.1f}{'' if row['cold'] in (True, None) else '*'}"
+        peak = "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
+        error = "-" if row.get("rel_error") is None else f"{row['rel_error']:.1e}"
+        lines.append(
+            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {row['s_per_image']:.2f} "
+            f"| {ready} | {peak} | {error} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--scenarios", default=DEFAULT_SCENARIOS, help=f"comma-separated, eager first, from: {', '.join(SCENARIOS)}"
-    )
+    names = [n for group in GROUPS for n in group]
+    parser.add_argument("--scenarios", default=",".join(names), help=f"comma-separated, from: {', '.join(names)}")
+    parser.add_argument("--model", default=RANDOM, help="pipeline to measure (default: FLUX.1-dev shapes, random)")
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--logs", default=None, help="folder for each group's log (default: a temporary one)")
+    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    names = args.scenarios.split(",")
-    if names[0] != "eager" or any(n not in SCENARIOS for n in names):
-        parser.error(f"--scenarios: start with eager, then any of {', '.join(SCENARIOS)}")
-    if not torch.cuda.is_available():
-        parser.error("bench.py measures GPU speed and needs CUDA")
-
-    pipe = random_flux_dev("cuda")
-    rows, reference = [], None
-    for name in names:
-        try:
-            changes = SCENARIOS[name]
-            options = None if changes is None else dataclasses.replace(Options.from_env(), **changes)
-            row, latents = run(pipe, name, options, args.size, args.steps, reference)
-        except Exception as exc:  # one failing scenario must not hide the others' numbers
-            print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
-            if name == "eager":
-                raise
-            continue
-        reference = latents if reference is None else reference
-        rows.append(row)
-    eager = rows[0]
-    print(f"\n{args.size}x{args.size}, {args.steps} steps, batch 1, bf16 weights")
-    print("| scenario | step ms | speedup | s / image | compile s | peak GiB | rel. error vs eager |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        row["speedup"] = eager["step_ms"] / row["step_ms"]
-        compile_s = "-" if row["compile_s"] is None else f"{row['compile_s']:.1f}"
-        print(
-            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {row['s_per_image']:.2f} "
-            f"| {compile_s} | {row['peak_gib']:.1f} | {row['rel_error']:.1e} |"
-        )
+    if args.worker:
+        worker(args.worker.split(","), args)
+        return 0
+    wanted = args.scenarios.split(",")
+    if "eager" not in wanted or any(n not in names for n in wanted):
+        parser.error(f"--scenarios: include eager; choose from {', '.join(names)}")
+    if "warm" in wanted and "all" not in wanted:
+        parser.error("--scenarios: warm starts from the packages `all` saves; add all")
+    with tempfile.TemporaryDirectory() as work:
+        args.work = work
+        logs = Path(args.logs or work)
+        logs.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for group in GROUPS:
+            chosen = [n for n in group if n in wanted]
+            if chosen:
+                rows += run_group(chosen, args, logs)
+    print(table(rows, args))
     print(json.dumps({**environment(), "size": args.size, "steps": args.steps, "rows": rows}))
     return 0
 

@@ -225,6 +225,26 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def probe_cpu_isa_in_background() -> threading.Thread:
+    """Start AOTInductor's CPU vector-ISA probe on a thread; returns it.
+
+    Compiling and loading a package both need it: it builds test programs with the C++ compiler
+    (7-8 s measured on the CPU dev machine and on the H200 host; cached per process), so a caller
+    starts it before a slow step such as loading weights. The thread finishes before the first
+    package load asks for the result.
+    """
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    global _probe
+    if _probe is None:
+        _probe = threading.Thread(target=valid_vec_isa_list, name="probe-cpu-isa", daemon=True)
+        _probe.start()
+    return _probe
+
+
+_probe: threading.Thread | None = None
+
+
 class CompiledBlock:
     """Replaces one block's `forward`: checks the inputs, then runs the class's package.
 
@@ -248,6 +268,7 @@ class CompiledBlock:
         return self._runner(**kwargs)
 
     def _load(self):
+        probe_cpu_isa_in_background().join()  # one probe per process, not one per thread
         runner = torch._inductor.aoti_load_package(io.BytesIO(self.package.package))
         constants = block_constants(self.block)
         runner.load_constants(

@@ -48,6 +48,7 @@ from blocks import (
     block_constants,
     contract_from_captures,
     forward_signature,
+    probe_cpu_isa_in_background,
     rel_error,
     repeated_blocks,
 )
@@ -250,6 +251,7 @@ def _compile_class(
         op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
         if not any(node.target is op for node in exported.graph.nodes):
             raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")
+    probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
     start = time.perf_counter()
     package = compile_package(exported)
     compile_s = time.perf_counter() - start
@@ -318,6 +320,7 @@ def load_pipeline(options: Options) -> Any:
     """
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
+    probe_cpu_isa_in_background()  # overlaps with loading the weights
     cuda = torch.cuda.is_available()
     device = torch.device(options.device if options.device != "auto" else "cuda" if cuda else "cpu")
     dtype = getattr(torch, options.dtype) if options.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
