@@ -245,6 +245,20 @@ def probe_cpu_isa_in_background() -> threading.Thread:
 _probe: threading.Thread | None = None
 
 
+def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Load a weights-less package and bind it to `block`'s own tensors (no copy).
+
+    Returns the runner (call it like the block's forward) and the constants it is bound to, by
+    the package's names.
+    """
+    probe_cpu_isa_in_background().join()  # one probe per process, not one per thread
+    runner = torch._inductor.aoti_load_package(io.BytesIO(package))
+    available = block_constants(block)
+    constants = {name: available[name] for name in runner.get_constant_fqns()}
+    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    return runner, constants
+
+
 class CompiledBlock:
     """Replaces one block's `forward`: checks the inputs, then runs the class's package.
 
@@ -252,8 +266,8 @@ class CompiledBlock:
     once to this block's own tensors (`load_constants(user_managed=True)`: no copy).
     """
 
-    def __init__(self, block: torch.nn.Module, package: BlockPackage, index: int):
-        self.block, self.package, self.index = block, package, index
+    def __init__(self, block: torch.nn.Module, package: BlockPackage):
+        self.block, self.package = block, package
         self._signature = forward_signature(block)
         self._runner = None
         self._lock = threading.Lock()
@@ -264,17 +278,8 @@ class CompiledBlock:
         if self._runner is None:
             with self._lock:
                 if self._runner is None:
-                    self._runner = self._load()
+                    self._runner, _ = bind(self.package.package, self.block)
         return self._runner(**kwargs)
-
-    def _load(self):
-        probe_cpu_isa_in_background().join()  # one probe per process, not one per thread
-        runner = torch._inductor.aoti_load_package(io.BytesIO(self.package.package))
-        constants = block_constants(self.block)
-        runner.load_constants(
-            {name: constants[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
-        )
-        return runner
 
 
 def check_constants(block: torch.nn.Module, package: BlockPackage, index: int) -> None:
@@ -367,8 +372,8 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
                 quantize_block_(block, fp8_config(compiled.fp8_granularity))
         for index, block in enumerate(found):
             check_constants(block, package, index)
-        for index, block in enumerate(found):
-            block.forward = CompiledBlock(block, package, index)
+        for block in found:
+            block.forward = CompiledBlock(block, package)
         rows.append((package, len(found)))
     patched = sum(isinstance(m.__dict__.get("forward"), CompiledBlock) for m in pipe.transformer.modules())
     if patched != sum(count for _, count in rows):

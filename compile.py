@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import io
 import logging
 import os
 import sys
@@ -45,7 +44,7 @@ from blocks import (
     Contract,
     Report,
     apply_,
-    block_constants,
+    bind,
     contract_from_captures,
     forward_signature,
     probe_cpu_isa_in_background,
@@ -255,10 +254,7 @@ def _compile_class(
     start = time.perf_counter()
     package = compile_package(exported)
     compile_s = time.perf_counter() - start
-    runner = torch._inductor.aoti_load_package(io.BytesIO(package))
-    constants = block_constants(block)
-    names = runner.get_constant_fqns()
-    runner.load_constants({n: constants[n] for n in names}, check_full_update=True, user_managed=True)
+    runner, constants = bind(package, block)
     with torch.no_grad():
         error = rel_error(runner(**kwargs), reference)
     log.info(
@@ -273,7 +269,7 @@ def _compile_class(
         block=name,
         package=package,
         contract=contract,
-        constants={n: (tuple(constants[n].shape), constants[n].dtype) for n in names},
+        constants={n: (tuple(t.shape), t.dtype) for n, t in constants.items()},
         fp8=fp8,
         export_s=export_s,
         compile_s=compile_s,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from blocks import BlockPackage, Compiled, dtype_name, forward_signature, repeated_blocks
-from fast_paths import FA3_KERNEL_VERSION, Decision, load_fa3, resolve_attention, resolve_fp8
+from fast_paths import FA3_KERNEL_VERSION, Decision, resolve_attention, resolve_fp8
 from options import Options, Resolution
 
 log = logging.getLogger("packages")
@@ -232,17 +232,20 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             return None, f"{path.relative_to(folder)} does not match its SHA-256 (corrupt)"
         packages[block] = BlockPackage.from_metadata(block, data, meta, resolution)
-    if here["fa3_kernel"] is not None:
-        load_fa3(here["fa3_kernel"])  # already proven loadable by resolve_attention
     decisions = [Decision(*d) for d in config["decisions"]]
     return Compiled(
         packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {source}"
     ), ""
 
 
+def _is_hub_repo(target: str) -> bool:
+    """`owner/name` that is not an existing path; `./x`, `/x` and `x` are folders."""
+    return not Path(target).exists() and not target.startswith((".", "/")) and target.count("/") == 1
+
+
 def _fetch(source: str, name: str) -> Path:
     """A local folder as is; otherwise the variant's files of a Hub repo (cached by huggingface_hub)."""
-    if Path(source).exists() or source.startswith((".", "/")) or source.count("/") != 1:
+    if not _is_hub_repo(source):
         return Path(source)
     from huggingface_hub import snapshot_download
 
@@ -255,7 +258,7 @@ def push_packages(directory: str | os.PathLike, target: str) -> str:
     A local target is updated with `save_packages`'s atomic swap. Returns where the packages went.
     """
     directory = Path(directory)
-    if target.startswith((".", "/")) or Path(target).exists():
+    if not _is_hub_repo(target):
         destination = Path(target).resolve()
         _swap(destination, lambda staging: shutil.copytree(directory, staging, dirs_exist_ok=True))
         return str(destination)

@@ -162,7 +162,7 @@ def test_tensor_subclass_weights_bind_to_a_weights_less_package():
     holder = BlockPackage("FluxSingleTransformerBlock", package, contract, {}, False, 0.0, 0.0, 0.0)
     for block in blocks:
         expected = block(**kwargs)
-        block.forward = CompiledBlock(block, holder, 0)
+        block.forward = CompiledBlock(block, holder)
         assert rel_error(block(**kwargs), expected) < TOLERANCE
 
 
