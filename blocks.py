@@ -51,7 +51,7 @@ class Contract:
     resolution: Resolution
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able description (for `packages.save`); the resolution is stored beside it."""
+        """A JSON-able description (for `packages.save_packages`); the resolution is stored beside it."""
         return {
             "tree": pytree.treespec_dumps(self.tree),
             "tensors": [
@@ -285,8 +285,9 @@ class CompiledBlock:
 def check_constants(block: torch.nn.Module, package: BlockPackage, index: int) -> None:
     """Raise `ValueError` unless `block` holds every constant the package needs, same shape and dtype.
 
-    Catches a package applied to other weights (another model, `fuse_qkv_projections` after
-    capture, FP8 on one side only) before any call, instead of a crash inside the package.
+    Catches a package applied to other weights (another model's blocks, other shapes or dtypes,
+    FP8 on one side only) before any call, instead of a crash inside the package (a weights-less
+    package reads whatever memory it is bound to).
     """
     have = block_constants(block)
     missing = sorted(set(package.constants) - set(have))

@@ -4,11 +4,12 @@
     export   torch.export one block per class, with the image-token dimension dynamic
     compile  AOTInductor: one weights-less package per class (a few MB, no parameters inside)
     apply    every block of the class runs that one package, bound to the block's own weights
+    save / load   packages on disk or the Hub, verified by a fingerprint (packages.py)
 
-`optimize_(pipe)` does all of it in place and returns a `Report`. On a ZeroGPU Space the first three
-steps need the GPU worker and the last one runs in the main process, so `app.py` calls
-`compile_blocks` (decorated with `@spaces.GPU`) and then `apply_`; only the small packages cross
-the fork. Outside ZeroGPU `@spaces.GPU` changes nothing and everything runs in this process.
+`optimize_(pipe)` does all of it in place and returns a `Report`. The first three steps are
+`compile_blocks`, decorated with `@spaces.GPU(duration=1500)`: on a ZeroGPU Space they run in the
+GPU worker and only the small packages cross back; `apply_` runs in the main process. Outside
+ZeroGPU `@spaces.GPU` changes nothing and everything runs in this process.
 
 We use torch's public AOTI API (`torch.export.export`, `torch._inductor.aoti_compile_and_package`,
 `torch._inductor.aoti_load_package`, `load_constants`) rather than `spaces.aoti_*`: spaces 0.51.3's
