@@ -22,8 +22,10 @@ from options import Options
 
 # --- configuration ---------------------------------------------------------------------------
 STARTED = time.perf_counter()
-PARSER = argparse.ArgumentParser(description=__doc__, parents=[Options.parser()])
-OPTIONS = Options.from_env(PARSER.parse_known_args()[0] if __name__ == "__main__" else None)
+PARSER = argparse.ArgumentParser(
+    description=__doc__, parents=[Options.parser()], formatter_class=argparse.RawDescriptionHelpFormatter
+)
+OPTIONS = Options.from_env(PARSER.parse_args() if __name__ == "__main__" else None)
 MAX_SEED = 2**31 - 1
 MAX_STEPS = 50
 MAX_GUIDANCE = 10.0
@@ -60,18 +62,25 @@ log.info("%s; startup took %.1f s", STATUS, time.perf_counter() - STARTED)
 
 # --- generation --------------------------------------------------------------------------------
 def check_request(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float) -> None:
-    """Raise `gr.Error` saying what is allowed, before any GPU work."""
+    """Raise `gr.Error` saying what is allowed, before any GPU work.
+
+    Gradio's sliders already refuse values outside their range; this also covers sizes that are
+    not multiples of 16, fractional values, and direct calls of `generate`.
+    """
     if not prompt or not prompt.strip():
         raise gr.Error("Enter a prompt.")
+    for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed)):
+        if value != int(value):
+            raise gr.Error(f"{name}={value}: use a whole number.")
     try:
         RESOLUTION.check(int(height), int(width))
     except ValueError as exc:
         raise gr.Error(str(exc)) from None
-    if not 1 <= steps <= MAX_STEPS or steps != int(steps):
+    if not 1 <= steps <= MAX_STEPS:
         raise gr.Error(f"steps={steps}: use a whole number from 1 to {MAX_STEPS}.")
     if not 0.0 <= guidance <= MAX_GUIDANCE:
         raise gr.Error(f"guidance={guidance}: use a value from 0 to {MAX_GUIDANCE}.")
-    if not 0 <= seed <= MAX_SEED or seed != int(seed):
+    if not 0 <= seed <= MAX_SEED:
         raise gr.Error(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
 
 
@@ -141,4 +150,4 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
 demo.queue(default_concurrency_limit=1)
 
 if __name__ == "__main__":
-    demo.launch()
+    demo.launch(show_error=True)  # API clients get each error's message, not a generic one

@@ -409,6 +409,8 @@ class Report:
                 f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {lo}..{hi} |"
             )
         lines.append(f"packages: {self.source}")
+        if self.source != "compiled":
+            lines.append("(export s, compile s and rel. error were measured when the packages were compiled)")
         lines.append(f"sizes: {self.resolution.describe()}")
         lines += [str(d) for d in self.decisions]
         return "\n".join(lines)

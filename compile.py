@@ -61,7 +61,7 @@ from fast_paths import (
     resolve_fp8,
 )
 from options import Options
-from packages import fingerprint, load_packages, push_packages, save_packages
+from packages import check_push_target, fingerprint, load_packages, push_packages, save_packages
 
 log = logging.getLogger("compile")
 
@@ -283,13 +283,17 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
 
     With `options.load`, verified packages from that folder or Hub repo are used; when they do not
     match, the reason is logged and the blocks are compiled (or, with `options.strict`, it raises).
-    With `options.save` / `options.push`, freshly compiled packages are saved / published.
+    With `options.save` (and `options.push`) the packages in use, compiled or loaded, are saved
+    (and published).
 
     Raises:
-        RuntimeError: strict loading failed, or an explicitly requested fast path cannot run.
+        RuntimeError: strict loading failed, pushing to the Hub without a token, or an explicitly
+            requested fast path cannot run.
         ValueError: see `compile_blocks` and `apply_`.
     """
     options = options or Options()
+    if options.push:
+        check_push_target(options.push)  # before minutes of compiling, not after
     compiled = None
     if options.load:
         compiled, reason = load_packages(options.load, pipe, options)
@@ -300,12 +304,10 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     if compiled is None:
         compiled = compile_blocks(pipe, options)
     report = apply_(pipe, compiled)
-    if compiled.source == "compiled" and (options.save or options.push):
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = options.save or tmp
-            save_packages(compiled, folder)
-            if options.push:
-                log.info("pushed packages to %s", push_packages(folder, options.push))
+    if options.save:
+        save_packages(compiled, options.save)
+        if options.push:
+            log.info("pushed packages to %s", push_packages(options.save, options.push))
     return report
 
 
@@ -319,6 +321,11 @@ def load_pipeline(options: Options) -> Any:
 
     probe_cpu_isa_in_background()  # overlaps with loading the weights
     cuda = torch.cuda.is_available()
+    if options.device.startswith("cuda") and not cuda:
+        raise RuntimeError(
+            f"device={options.device} but torch sees no CUDA GPU (torch {torch.__version__}); "
+            "use --device auto or cpu, or a CUDA build of torch on a GPU machine"
+        )
     device = torch.device(options.device if options.device != "auto" else "cuda" if cuda else "cpu")
     dtype = getattr(torch, options.dtype) if options.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
     try:
@@ -345,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, parents=[Options.parser()], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     options = Options.from_env(parser.parse_args(argv))
+    if not options.compile:
+        parser.error("--no-compile: compile.py compiles; `python app.py --no-compile` serves the eager pipeline")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     pipe = load_pipeline(options)
     start = time.perf_counter()

@@ -66,7 +66,7 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     if problem is None:
         try:
             load_fa3(options.fa3_kernel)
-        except Exception as exc:  # a missing package, no network, no build for this torch (C20)
+        except Exception as exc:  # a missing package, no network, no build for this torch version
             problem = f"FA3 kernel {options.fa3_kernel!r} did not load: {type(exc).__name__}: {exc}"
     if problem is None:
         return Decision("attention", "fa3", f"{options.attention}: {options.fa3_kernel}")

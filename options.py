@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,8 @@ def _option(env: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Options:
-    """How to load and compile. Defaults turn every fast path on (`auto`); flags switch them off.
+    """How to load and compile. The defaults take every fast path the hardware allows (`auto`);
+    each can be switched off or forced.
 
     Precedence: command-line flag, then environment variable, then the default below.
     """
@@ -87,7 +89,9 @@ class Options:
         default=False,
         metadata=_option("AOT_STRICT", "raise instead of compiling when packages from --load cannot be used"),
     )
-    device: str = field(default="auto", metadata=_option("AOT_DEVICE", "cuda, cpu, or auto (cuda when available)"))
+    device: str = field(
+        default="auto", metadata=_option("AOT_DEVICE", "cuda, cuda:N, cpu, or auto (cuda when available)")
+    )
     dtype: str = field(
         default="auto",
         metadata=_option(
@@ -105,7 +109,8 @@ class Options:
             meta = dict(f.metadata)
             env, help_ = meta.pop("env"), meta.pop("help")
             flag = "--" + f.name.replace("_", "-")
-            help_ = f"{help_} (env {env}; default {f.default})"
+            default = {None: "unset", True: "on", False: "off"}.get(f.default, f.default)
+            help_ = f"{help_} (env {env}; default {default})"
             if f.type == "bool":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
             else:
@@ -143,10 +148,17 @@ class Options:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r}: allowed values are {', '.join(choices)}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.push and not self.save:
+            raise ValueError(f"push={self.push!r} needs save: the folder whose packages are pushed (--save DIR)")
 
 
 def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     env = f.metadata["env"]
+    choices = f.metadata.get("choices")
+    if choices and raw not in choices:
+        raise ValueError(f"{env}={raw!r}: allowed values are {', '.join(choices)}")
     if f.type == "bool":
         if raw.lower() in ("1", "true", "on", "yes"):
             return True
@@ -205,4 +217,4 @@ class Resolution:
         """Raise `ValueError` naming the allowed range unless `height` x `width` is allowed."""
         for name, side in (("height", height), ("width", width)):
             if not isinstance(side, int) or side % self.step or not self.min_side <= side <= self.max_side:
-                raise ValueError(f"{name}={side} is not allowed: the compiled blocks accept {self.describe()}")
+                raise ValueError(f"{name}={side} is not allowed: use {self.describe()}")

@@ -5,12 +5,13 @@ Layout (what `spaces.aoti_blocks_load(transformer, repo_id, variant=...)` reads)
     DIR/config.<variant>.json                 kernels to load first, the fingerprint, per-class metadata
     DIR/<BlockClass>.<variant>/package.pt2    one weights-less AOTInductor package per block class
 
-The variant names the graph-changing choices, e.g. `fa3-fp8row` or `sdpa-bfloat16`. The fingerprint
+The variant names the graph-changing choices, e.g. `fa3-fp8row-512-1536`. The fingerprint
 records what a package is valid for: library versions, CUDA and compute capability, dtype, size
 range, attention and FP8 choices, and per block class its forward signature and weight names,
 shapes and dtypes. A package is used only when every field matches here and its bytes match the
 recorded SHA-256, so a stale, truncated or foreign package never reaches the native loader.
-Saving is atomic: the new set is written beside the folder and swapped in with two renames.
+A save writes the new set beside the folder and swaps it in with two renames, so no reader sees a
+half-written set.
 Neither weights nor tokens are written. (AOTInductor itself embeds its build command, with the
 build machine's include paths, in each package's sources and debug info.)
 """
@@ -83,8 +84,10 @@ def fingerprint(
 
 
 def variant(fp: dict[str, Any]) -> str:
-    """`fa3-fp8row`, `sdpa-bfloat16`, ...: the graph-changing choices of a fingerprint."""
-    return f"{fp['attention']}-{'fp8' + fp['fp8'] if fp['fp8'] != 'off' else fp['dtype']}"
+    """`fa3-fp8row-512-1536`, `sdpa-bfloat16-512-1536`, ...: the choices that change the graph
+    (attention, FP8 or dtype, side range), so sets compiled for other choices live side by side."""
+    precision = "fp8" + fp["fp8"] if fp["fp8"] != "off" else fp["dtype"]
+    return f"{fp['attention']}-{precision}-{fp['sizes'][0]}-{fp['sizes'][1]}"
 
 
 def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
@@ -144,12 +147,14 @@ def save_packages(compiled: Compiled, directory: str | os.PathLike) -> Path:
 
 
 def _swap(directory: Path, fill: Callable[[Path], None]) -> None:
-    """Replace `directory` atomically by a new version of it.
+    """Replace `directory` by a new version of it, so that no reader sees a half-written set.
 
     `fill(staging)` writes the new entries into a staging folder beside `directory`; entries of the
     old folder that `fill` did not write are carried over as hard links (never written through).
-    Then two renames swap the folders: an interruption before them leaves the old folder as it was.
+    Two renames then swap the folders. An interruption before them leaves the old folder as it
+    was; one between them leaves it as `.<name>.old-*`, which `_recover` puts back.
     """
+    _recover(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     for stale in directory.parent.glob(f".{directory.name}.staging-*"):  # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
@@ -174,6 +179,14 @@ def _swap(directory: Path, fill: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _recover(directory: Path) -> None:
+    """Put back the previous set if a save stopped between its two renames."""
+    olds = sorted(directory.parent.glob(f".{directory.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds and not directory.exists():
+        os.rename(olds[-1], directory)
+        log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -239,13 +252,26 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
 
 
 def _is_hub_repo(target: str) -> bool:
-    """`owner/name` that is not an existing path; `./x`, `/x` and `x` are folders."""
+    """`owner/name` that is not an existing path; `./x`, `/x`, `x` and `x/y/z` are folders."""
     return not Path(target).exists() and not target.startswith((".", "/")) and target.count("/") == 1
+
+
+def check_push_target(target: str) -> None:
+    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token."""
+    if _is_hub_repo(target):
+        from huggingface_hub import get_token
+
+        if get_token() is None:
+            raise RuntimeError(
+                f"--push {target}: pushing to the Hub needs a token (HF_TOKEN or `hf auth login`); "
+                f"to push into a local folder, write it as ./{target}"
+            )
 
 
 def _fetch(source: str, name: str) -> Path:
     """A local folder as is; otherwise the variant's files of a Hub repo (cached by huggingface_hub)."""
     if not _is_hub_repo(source):
+        _recover(Path(source).resolve())
         return Path(source)
     from huggingface_hub import snapshot_download
 

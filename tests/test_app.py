@@ -79,7 +79,8 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
     ("change", "message"),
     [
         ({"prompt": "   "}, "Enter a prompt"),
-        ({"width": 520}, r"width=520 is not allowed: the compiled blocks accept sides 512\.\.1536 px in steps of 16"),
+        ({"width": 520}, r"width=520 is not allowed: use sides 512\.\.1536 px in steps of 16"),
+        ({"width": 512.5}, r"width=512\.5: use a whole number"),
         ({"height": 2048}, "2048 is greater than maximum value 1536"),
         ({"steps": 0}, "0 is less than minimum value 1"),
         ({"guidance": 11.0}, "greater than maximum value 10"),

@@ -1,6 +1,8 @@
 """Options (flags, environment, defaults), the resolution rule, and the switch matrix on CPU."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,9 @@ def test_readme_documents_every_environment_variable():
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"AOT_FP8": "maybe"}, "fp8='maybe': allowed values are auto, on, off"),
+        ({"AOT_FP8": "maybe"}, "AOT_FP8='maybe': allowed values are auto, on, off"),
+        ({"AOT_DEVICE": "gpu"}, "device='gpu': use auto, cpu, cuda or cuda:N"),
+        ({"AOT_PUSH": "me/blocks"}, "push='me/blocks' needs save"),
         ({"AOT_COMPILE": "perhaps"}, r"AOT_COMPILE='perhaps': use 1/0, true/false, on/off"),
         ({"AOT_MIN_SIDE": "big"}, "AOT_MIN_SIDE='big': expected an integer"),
         ({"AOT_MIN_SIDE": "500"}, "both ends must be multiples of 16"),
@@ -62,6 +66,19 @@ def test_bad_flag_is_rejected_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         Options.parser().parse_args(["--attention", "flash"])
     assert "invalid choice: 'flash'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["compile.py", "--no-compile"], "compile.py compiles; `python app.py --no-compile` serves the eager pipeline"),
+        (["app.py", "--max-szie", "1024"], "unrecognized arguments: --max-szie 1024"),
+    ],
+)
+def test_command_lines_refuse_what_they_cannot_do(command, message):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, *command], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
 def test_resolution_rule():

@@ -1,5 +1,6 @@
 """Saved packages (CPU, tiny pipeline): save, load in a fresh process, every kind of stale or broken set."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from compile import optimize_
 from packages import load_packages, push_packages, save_packages
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANT = "sdpa-float32"  # attention sdpa, float32 weights: what the CPU compiles
+VARIANT = "sdpa-float32-512-1536"  # attention sdpa, float32 weights, default sides: what the CPU compiles
 CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 
 
@@ -118,7 +119,7 @@ def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, kind, cap
 
 def test_packages_for_other_options_or_another_model_are_refused(saved):
     _, reason = load_packages(str(saved), load_tiny(), tiny_options(max_side=1024))
-    assert "sizes: [512, 1536, 16] (packages) vs [512, 1024, 16] (here)" in reason
+    assert f"no config.sdpa-float32-512-1024.json in {saved} (found: config.{VARIANT}.json)" == reason
     pipe = load_tiny()
     config = dict(pipe.transformer.config)
     config["num_attention_heads"] = 4
@@ -146,6 +147,32 @@ packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(c
     assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None
     save_packages(compiled, copy)  # the next save cleans up what the killed one left
     assert not list(copy.parent.glob(".packages.*"))
+
+
+def test_save_stopped_between_its_two_renames_is_recovered(copy):
+    old = copy.with_name(".packages.old-0123abcd")
+    os.rename(copy, old)  # where a kill between the renames leaves the previous set
+    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    assert copy.is_dir() and not old.exists()
+
+
+def test_packages_of_another_size_range_live_beside(saved, compiled, copy):
+    other = dataclasses.replace(compiled, fingerprint={**compiled.fingerprint, "sizes": [512, 1024, 16]})
+    save_packages(other, copy)
+    assert (copy / "config.sdpa-float32-512-1024.json").is_file()
+    assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None  # 512..1536 still there
+
+
+def test_push_to_the_hub_without_a_token_fails_before_compiling(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored token either
+    pipe = load_tiny()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(RuntimeError, match="pushing to the Hub needs a token"):
+        optimize_(pipe, tiny_options(save=str(tmp_path / "p"), push="someone/flux-blocks"))
+    assert not calls
 
 
 def test_push_to_a_local_folder_then_load_from_it(saved, tmp_path):
