@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from blocks import probe_cpu_isa_in_background, repeated_blocks
-from compile import capture_blocks, load_pipeline, optimize_
+from compile import capture, capture_blocks, load_pipeline, optimize_
 from options import Options
 
 ROOT = Path(__file__).resolve().parent
@@ -145,15 +145,9 @@ def random_flux_dev(device: str):
 
 def step_inputs(pipe, size: int) -> dict:
     """The transformer's real inputs for one denoising step at size x size."""
-    captured = {}
-
-    def record(module, args, kwargs):
-        captured.setdefault("kwargs", kwargs)
-
-    handle = pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
-    pipe(PROMPTS[0], height=size, width=size, num_inference_steps=1, output_type="latent")
-    handle.remove()
-    return captured["kwargs"]
+    with capture({"transformer": pipe.transformer}) as calls:
+        pipe(PROMPTS[0], height=size, width=size, num_inference_steps=1, output_type="latent")
+    return calls["transformer"][1]
 
 
 def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
