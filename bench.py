@@ -8,6 +8,8 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     step ms      median of the transformer's forward (CUDA events, after warm-up)
     speedup      eager step ms / step ms, eager measured in this run
     s / image    one generation: text encoders + all steps + VAE decode
+    graphs       the same compiled step replayed as a CUDA graph (graphs.py; off in the template by
+                 default), with its relative error against the plain step on new inputs
     ready s      compile: regional compile from scratch (* = second compile in its process);
                  warm start: load + verify + bind the saved packages and run the first step
     peak GiB     peak allocated GPU memory during that generation
@@ -37,8 +39,9 @@ from pathlib import Path
 
 import torch
 
-from blocks import probe_cpu_isa_in_background, repeated_blocks
+from blocks import probe_cpu_isa_in_background, rel_error, repeated_blocks
 from compile import capture, capture_blocks, load_pipeline, optimize_
+from graphs import graph_step_
 from options import Options
 
 ROOT = Path(__file__).resolve().parent
@@ -214,6 +217,20 @@ def block_ms(pipe, size: int) -> dict[str, float]:
         return {name: median_ms(lambda b=block, k=calls[name][1]: b(**k)) for name, block in firsts.items()}
 
 
+def measure_graphs(pipe, row: dict, args) -> None:
+    """The same compiled step replayed as a CUDA graph (graphs.py): step ms, and its relative
+    error against the plain step on inputs other than the ones it was captured with."""
+    kwargs = step_inputs(pipe, args.size)
+    graphed = graph_step_(pipe.transformer)
+    with torch.no_grad():
+        graphed(**kwargs)  # capture
+        other = {**kwargs, "hidden_states": torch.randn_like(kwargs["hidden_states"])}
+        row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
+        row["step_ms_graphs"] = median_ms(lambda: graphed(**kwargs))
+    row["graphs_failed"] = graphed.failed
+    del pipe.transformer.forward
+
+
 def measure(pipe, row: dict, args, reference: torch.Tensor | None) -> torch.Tensor:
     """Fill in step ms, block ms, s / image, peak GiB and rel. error; return the final latents."""
     kwargs = step_inputs(pipe, args.size)
@@ -259,6 +276,8 @@ def worker(names: list[str], args) -> None:
                 row["decisions"] = [str(d) for d in report.decisions]
                 row["blocks"] = {p.block: {"rel_error": p.rel_error, "fp8": p.fp8} for p, _ in report.rows}
             latents = measure(pipe, row, args, reference)
+            if SCENARIOS[name] is not None and torch.cuda.is_available():
+                measure_graphs(pipe, row, args)
             if name == "eager":
                 torch.save(latents, work / "eager.pt")
                 reference = latents
@@ -317,7 +336,7 @@ def environment() -> dict:
 
 
 def run_group(names: list[str], args, logs: Path) -> list[dict]:
-    """One group in a fresh process with empty compile caches; its log goes to `logs`."""
+    """One group in a fresh process with empty compile caches; its log and rows (rows.jsonl) go to `logs`."""
     caches = Path(args.work) / "caches" / names[0]
     env = {
         **os.environ,
@@ -332,8 +351,10 @@ def run_group(names: list[str], args, logs: Path) -> list[dict]:
     if done.returncode != 0 or len(rows) != len(names):
         tail = log_path.read_text()[-2000:]
         rows += [{"scenario": n, "error": f"worker exited {done.returncode}: {tail}"} for n in names[len(rows) :]]
-    for row in rows:
-        print(f"{row['scenario']}: {row.get('error') or 'done'}", file=sys.stderr, flush=True)
+    with open(logs / "rows.jsonl", "a") as saved:  # kept if a later group dies
+        for row in rows:
+            print(f"{row['scenario']}: {row.get('error') or 'done'}", file=sys.stderr, flush=True)
+            saved.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -345,20 +366,26 @@ def table(rows: list[dict], args) -> str:
     eager = next(r for r in rows if r["scenario"] == "eager" and "error" not in r)
     lines = [
         f"{args.size}x{args.size}, {args.steps} steps, batch 1",
-        "| scenario | step ms | speedup | s / image | ready s | peak GiB | rel. error vs eager |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | step ms | speedup | CUDA graphs: step ms | s / image | ready s | peak GiB "
+        "| rel. error vs eager |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} |||||")
+            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} ||||||")
             continue
         row["speedup"] = eager["step_ms"] / row["step_ms"]
         ready = "-" if row["ready_s"] is None else f"{row['ready_s']:.1f}{'' if row['cold'] in (True, None) else '*'}"
         peak = "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
         error = "-" if row.get("rel_error") is None else f"{row['rel_error']:.1e}"
+        graphs = row.get("step_ms_graphs")
+        if row.get("graphs_failed"):
+            graphs = f"failed: {row['graphs_failed'][:80]}"
+        elif graphs is not None:
+            graphs = f"{graphs:.1f} ({eager['step_ms'] / graphs:.2f}x, error {row['graph_rel_error']:.0e})"
         lines.append(
-            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {row['s_per_image']:.2f} "
-            f"| {ready} | {peak} | {error} |"
+            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {graphs or '-'} "
+            f"| {row['s_per_image']:.2f} | {ready} | {peak} | {error} |"
         )
     return "\n".join(lines)
 

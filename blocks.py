@@ -226,12 +226,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def probe_cpu_isa_in_background() -> threading.Thread:
-    """Start AOTInductor's CPU vector-ISA probe on a thread; returns it.
+    """Start AOTInductor's CPU vector-ISA probe on a thread (once per process); returns it.
 
-    Compiling and loading a package both need it: it builds test programs with the C++ compiler
-    (7-8 s measured on the CPU dev machine and on the H200 host; cached per process), so a caller
-    starts it before a slow step such as loading weights. The thread finishes before the first
-    package load asks for the result.
+    Every package compile and load needs it: a package records the host CPU's vector ISA and a load
+    compares it (`torch.export.pt2_archive._package._load_aoti` -> `get_device_information` ->
+    `cpu_vec_isa.pick_vec_isa`). Torch finds it by building and loading test programs, each load
+    in a child Python: 1-8 s on the CPU dev machine; on the H200 host (torch 2.11) a process's first
+    package load waited 29.9 s, which a profile puts in this probe's 9 child processes
+    (2026-11-29). A caller starts it before a slow step such as loading weights; the first load
+    joins it.
     """
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
@@ -252,7 +255,9 @@ def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.T
     the package's names.
     """
     probe_cpu_isa_in_background().join()  # one probe per process, not one per thread
-    runner = torch._inductor.aoti_load_package(io.BytesIO(package))
+    # Single-threaded runner: no locks or CUDA event queries per call, so a step can be captured
+    # into a CUDA graph (graphs.py). One call at a time per block, as in a diffusion loop.
+    runner = torch._inductor.aoti_load_package(io.BytesIO(package), run_single_threaded=True)
     available = block_constants(block)
     constants = {name: available[name] for name in runner.get_constant_fqns()}
     runner.load_constants(constants, check_full_update=True, user_managed=True)

@@ -4,6 +4,7 @@
     export   torch.export one block per class, with the image-token dimension dynamic
     compile  AOTInductor: one weights-less package per class (a few MB, no parameters inside)
     apply    every block of the class runs that one package, bound to the block's own weights
+    graph    optional (`cuda_graphs`): each image size's step is captured once, then replayed (graphs.py)
     save / load   packages on disk or the Hub, verified by a fingerprint (packages.py)
 
 `optimize_(pipe)` does all of it in place and returns a `Report`. The first three steps are
@@ -58,8 +59,10 @@ from fast_paths import (
     fp8_config,
     quantize_block_,
     resolve_attention,
+    resolve_cuda_graphs,
     resolve_fp8,
 )
+from graphs import graph_step_
 from options import Options
 from packages import check_push_target, fingerprint, load_packages, push_packages, save_packages
 
@@ -281,6 +284,7 @@ def _compile_class(
 def optimize_(pipe: Any, options: Options | None = None) -> Report:
     """Regionally AoT-compile `pipe.transformer` in place, or bind saved packages that match.
 
+    With `options.cuda_graphs` (off by default) the step then runs as CUDA graphs (graphs.py).
     With `options.load`, verified packages from that folder or Hub repo are used; when they do not
     match, the reason is logged and the blocks are compiled (or, with `options.strict`, it raises).
     With `options.save` (and `options.push`) the packages in use, compiled or loaded, are saved
@@ -288,12 +292,13 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
 
     Raises:
         RuntimeError: strict loading failed, pushing to the Hub without a token, or an explicitly
-            requested fast path cannot run.
+            requested fast path cannot run (checked before any compile).
         ValueError: see `compile_blocks` and `apply_`.
     """
     options = options or Options()
     if options.push:
         check_push_target(options.push)  # before minutes of compiling, not after
+    graphs = resolve_cuda_graphs(options, pipe.transformer.device)
     compiled = None
     if options.load:
         compiled, reason = load_packages(options.load, pipe, options)
@@ -304,6 +309,9 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     if compiled is None:
         compiled = compile_blocks(pipe, options)
     report = apply_(pipe, compiled)
+    if graphs.value == "on":
+        graph_step_(pipe.transformer, strict=options.cuda_graphs == "on")
+    report.decisions = [*report.decisions, graphs]
     if options.save:
         save_packages(compiled, options.save)
         if options.push:

@@ -1,4 +1,5 @@
-"""The fast paths inside the compiled blocks: FlashAttention-3 and FP8, each resolved to a `Decision`.
+"""The fast paths: FlashAttention-3 and FP8 inside the compiled blocks, CUDA graphs around the step,
+each resolved to a `Decision`.
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
 that cannot run raises with what is missing. Nothing here runs at import: capability probes and
@@ -89,6 +90,24 @@ def resolve_fp8(options: Options, device: torch.device) -> Decision:
     if options.fp8 == "on":
         raise RuntimeError(f"fp8=on cannot run: {problem}. Use --fp8 auto or off.")
     return Decision("fp8", "off", f"auto: {problem}")
+
+
+def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
+    """Decide whether the transformer step runs through CUDA graphs (`graphs.py`).
+
+    Looks only at the device type, so it is safe in a ZeroGPU main process (no CUDA call).
+
+    Raises:
+        RuntimeError: `cuda_graphs=on` was asked for and the transformer is not on a CUDA device.
+    """
+    if options.cuda_graphs == "off":
+        return Decision("cuda_graphs", "off", "requested")
+    if device.type == "cuda":
+        return Decision("cuda_graphs", "on", options.cuda_graphs)
+    problem = f"CUDA graphs need a CUDA GPU; the pipeline is on {device.type}"
+    if options.cuda_graphs == "on":
+        raise RuntimeError(f"cuda_graphs=on cannot run: {problem}. Use --cuda-graphs auto or off.")
+    return Decision("cuda_graphs", "off", f"auto: {problem}")
 
 
 def load_fa3(source: str) -> Any:

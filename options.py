@@ -71,6 +71,15 @@ class Options:
             choices=("row", "tensor"),
         ),
     )
+    cuda_graphs: str = field(
+        default="off",
+        metadata=_option(
+            "AOT_CUDA_GRAPHS",
+            "replay each image size's transformer step as a CUDA graph, captured at its first step and checked"
+            " against it; auto: on where CUDA is. Off by default until the replay test has run on a GPU",
+            choices=("auto", "on", "off"),
+        ),
+    )
     min_side: int = field(default=MIN_SIDE, metadata=_option("AOT_MIN_SIDE", "smallest image side in pixels", type=int))
     max_side: int = field(default=MAX_SIDE, metadata=_option("AOT_MAX_SIDE", "largest image side in pixels", type=int))
     load: str | None = field(

@@ -76,3 +76,22 @@ def test_fp32_pipeline_falls_back_to_sdpa():
         "sdpa",
         "auto: FA3 supports bfloat16/float16, the transformer is torch.float32",
     )
+
+
+def test_cuda_graph_replays_match_plain_steps():
+    # Replays must compute what a plain step computes, for each size and after switching sizes.
+    from compile import optimize_
+    from graphs import GraphedStep
+
+    pipe = wide_pipeline()
+    report = optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
+    assert report.decisions[-1].value == "on", report.decisions[-1]
+    graphed = pipe.transformer.forward
+    assert isinstance(graphed, GraphedStep)
+    sizes = [(1024, 768), (512, 512), (1024, 768)]
+    replayed = [generate(pipe, *size, steps=3).float() for size in sizes]
+    assert len(graphed.graphs) == 2 and graphed.failed is None, graphed.failed
+    pipe.transformer.forward = graphed.step
+    for size, actual in zip(sizes, replayed, strict=True):
+        error = rel_error(actual, generate(pipe, *size, steps=3).float())
+        assert error < 1e-3, f"{size}: graph replay vs plain step {error:.2e}"

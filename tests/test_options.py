@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import load_tiny, tiny_options
 
-from compile import compile_blocks
-from fast_paths import resolve_attention, resolve_fp8
+from compile import compile_blocks, optimize_
+from fast_paths import resolve_attention, resolve_cuda_graphs, resolve_fp8
 from options import Options, Resolution
 
 
@@ -18,9 +18,10 @@ def parse(argv=(), environ=None) -> Options:
     return Options.from_env(Options.parser().parse_args(list(argv)), environ=environ or {})
 
 
-def test_defaults_turn_every_fast_path_on():
+def test_defaults_take_the_fast_paths_the_hardware_allows():
     options = parse()
     assert (options.compile, options.attention, options.fp8) == (True, "auto", "auto")
+    assert options.cuda_graphs == "off"  # until its replay test has run on a GPU (README, Options)
 
 
 def test_flag_beats_environment_beats_default():
@@ -109,13 +110,24 @@ def test_switch_matrix_on_cpu(attention, fp8):
         decision = resolve_attention(options, transformer, device)
         expected = "requested" if attention == "sdpa" else "auto: FA3 needs a CUDA GPU; the pipeline is on cpu"
         assert (decision.value, decision.reason) == ("sdpa", expected)
-    if fp8 == "on":
-        with pytest.raises(RuntimeError, match="fp8=on cannot run: FP8 needs a CUDA GPU"):
-            resolve_fp8(options, device)
+    check_on_off_auto("fp8", fp8, "FP8 needs", lambda: resolve_fp8(options, device))
+
+
+@pytest.mark.parametrize("cuda_graphs", ["auto", "on", "off"])
+def test_cuda_graphs_switch_on_cpu(cuda_graphs):
+    options, device = tiny_options(cuda_graphs=cuda_graphs), torch.device("cpu")
+    check_on_off_auto("cuda_graphs", cuda_graphs, "CUDA graphs need", lambda: resolve_cuda_graphs(options, device))
+
+
+def check_on_off_auto(name, value, problem, resolve):
+    """On CPU: `on` raises naming the problem, `auto` is off with it as the reason, `off` is off."""
+    problem += " a CUDA GPU; the pipeline is on cpu"
+    if value == "on":
+        with pytest.raises(RuntimeError, match=f"{name}=on cannot run: {problem}"):
+            resolve()
     else:
-        decision = resolve_fp8(options, device)
-        expected = "requested" if fp8 == "off" else "auto: FP8 needs a CUDA GPU; the pipeline is on cpu"
-        assert (decision.value, decision.reason) == ("off", expected)
+        decision = resolve()
+        assert (decision.value, decision.reason) == ("off", "requested" if value == "off" else f"auto: {problem}")
 
 
 def test_explicit_request_that_cannot_run_fails_before_any_work():
@@ -124,4 +136,7 @@ def test_explicit_request_that_cannot_run_fails_before_any_work():
     pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
     with pytest.raises(RuntimeError, match="attention=fa3 cannot run"):
         compile_blocks(pipe, tiny_options(attention="fa3"))
+    assert not calls, "the pipeline ran before the request was refused"
+    with pytest.raises(RuntimeError, match="cuda_graphs=on cannot run"):
+        optimize_(pipe, tiny_options(cuda_graphs="on"))
     assert not calls, "the pipeline ran before the request was refused"

@@ -1,0 +1,120 @@
+"""CUDA graphs around the transformer step: capture once per input shape, replay every later step.
+
+A compiled FLUX.1-dev step is 57 AOTI block calls plus the eager code between them, each a series
+of kernel launches; the GPU idles in the gaps (a profile on the H200: 94 ms of kernels in a 99 ms
+step at 1024x1024). A CUDA graph replays the same kernels as one launch. The compiled blocks allow
+it: their packages are loaded with `run_single_threaded=True` (torch's AOTI runner mode for graph
+capture; see `blocks.bind`).
+
+The first call at a new shape runs as usual (its output is the answer; it also warms up the
+kernels), then the step is captured on copies of its inputs and replayed once: the replay must
+reproduce that output, or graphs are switched off with the reason logged. Later calls with that
+shape copy their inputs into the graph's static inputs and replay. Calls a graph cannot stand for
+run as usual: gradients on, `return_dict=True`, a non-empty `joint_attention_kwargs` (e.g. a LoRA
+scale), or tensors off the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from blocks import rel_error
+
+log = logging.getLogger("graphs")
+
+# Graphs kept, least recently used evicted first. One graph per image size: a Space serving a few
+# sizes keeps them all. They share one memory pool, so each adds its static inputs and outputs
+# (about 5 MB for FLUX.1-dev at 1024x1024) and what the pool must grow for a larger size.
+MAX_GRAPHS = 8
+# A replay runs the same kernels on the same inputs as the step it was captured from, so it matches
+# that step to rounding; anything more means the graph computes something else.
+MAX_REL_ERROR = 1e-3
+
+
+class GraphedStep:
+    """Replaces a transformer's `forward` (called with keyword arguments, as diffusers pipelines do).
+
+    Returns the same tuple the transformer returns with `return_dict=False`, as fresh tensors (so a
+    second call, e.g. true-CFG's negative pass, does not overwrite the first one's output).
+
+    Not thread-safe: one step at a time (`app.py` serves one request at a time).
+
+    Raises:
+        RuntimeError: capture or its check failed and `strict` (CUDA graphs explicitly requested);
+            without `strict` the reason is logged once and every later call runs as usual.
+    """
+
+    def __init__(self, module: torch.nn.Module, strict: bool = False):
+        self.step = type(module).forward.__get__(module)  # the forward to capture
+        self.strict = strict
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Any], tuple]] = OrderedDict()
+        self.pool = None
+        self.failed: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = None if args or self.failed else _key(kwargs)
+        if key is None:
+            return self.step(*args, **kwargs)
+        if key not in self.graphs:
+            out = self.step(**kwargs)
+            self._capture(key, kwargs, out)
+            return out
+        self.graphs.move_to_end(key)
+        graph, inputs, outputs = self.graphs[key]
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                inputs[name].copy_(value)
+        graph.replay()
+        return tuple(t.clone() for t in outputs)
+
+    def _capture(self, key: tuple, kwargs: dict[str, Any], expected: tuple) -> None:
+        """Capture the step on copies of `kwargs`, then replay it once: it must give `expected`."""
+        inputs = {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in kwargs.items()}
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = tuple(self.step(**inputs))
+            graph.replay()
+            error = rel_error(outputs, tuple(expected))
+            if not error <= MAX_REL_ERROR:
+                raise RuntimeError(f"replay differs from the step by {error:.1e} (relative), above {MAX_REL_ERROR:.0e}")
+        except Exception as exc:  # an op that cannot be captured, or a graph that computes something else
+            self.failed = f"{type(exc).__name__}: {exc}"
+            if self.strict:
+                raise RuntimeError(f"cuda_graphs=on: the step cannot run as a graph: {self.failed}") from exc
+            log.warning("CUDA graphs off: the transformer step cannot run as a graph (%s)", self.failed)
+            return
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, inputs, outputs)
+        if len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+
+
+def _key(kwargs: dict[str, Any]) -> tuple | None:
+    """What a graph is specific to: every tensor's shape, dtype and device, every other value."""
+    if torch.is_grad_enabled() or kwargs.get("return_dict", True):
+        return None
+    key = []
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cuda":
+                return None
+            key.append((name, tuple(value.shape), value.dtype, value.device))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            key.append((name, value))
+        elif value == {}:  # FluxPipeline passes joint_attention_kwargs={} when none are set
+            key.append((name, "{}"))
+        else:
+            return None
+    return tuple(key)
+
+
+def graph_step_(transformer: torch.nn.Module, strict: bool = False) -> GraphedStep:
+    """Patch `transformer.forward` in place to run through CUDA graphs; returns the patch."""
+    graphed = GraphedStep(transformer, strict)
+    transformer.forward = graphed
+    return graphed
