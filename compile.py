@@ -62,7 +62,7 @@ from fast_paths import (
     resolve_cuda_graphs,
     resolve_fp8,
 )
-from graphs import graph_step_
+from graphs import GraphedStep, graph_step_
 from options import Options
 from packages import check_push_target, fingerprint, load_packages, push_packages, save_packages
 
@@ -299,6 +299,8 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     if options.push:
         check_push_target(options.push)  # before minutes of compiling, not after
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
+    if isinstance(pipe.transformer.__dict__.get("forward"), GraphedStep):
+        del pipe.transformer.forward  # its graphs replay the blocks being replaced
     compiled = None
     if options.load:
         compiled, reason = load_packages(options.load, pipe, options)

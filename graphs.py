@@ -27,8 +27,8 @@ from blocks import rel_error
 log = logging.getLogger("graphs")
 
 # Graphs kept, least recently used evicted first. One graph per image size: a Space serving a few
-# sizes keeps them all. They share one memory pool, so each adds its static inputs and outputs
-# (about 5 MB for FLUX.1-dev at 1024x1024) and what the pool must grow for a larger size.
+# sizes keeps them all. They share one memory pool for what runs inside them; each also keeps its
+# static inputs and outputs (about 5 MB for FLUX.1-dev at 1024x1024).
 MAX_GRAPHS = 8
 # A replay runs the same kernels on the same inputs as the step it was captured from, so it matches
 # that step to rounding; anything more means the graph computes something else.
@@ -44,8 +44,9 @@ class GraphedStep:
     Not thread-safe: one step at a time (`app.py` serves one request at a time).
 
     Raises:
-        RuntimeError: capture or its check failed and `strict` (CUDA graphs explicitly requested);
-            without `strict` the reason is logged once and every later call runs as usual.
+        RuntimeError: capture or its check failed and `strict` (CUDA graphs explicitly requested):
+            at every call of that size. Without `strict` the reason is logged once, the graphs are
+            freed, and every later call runs as usual.
     """
 
     def __init__(self, module: torch.nn.Module, strict: bool = False):
@@ -75,6 +76,7 @@ class GraphedStep:
         """Capture the step on copies of `kwargs`, then replay it once: it must give `expected`."""
         inputs = {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in kwargs.items()}
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = tuple(self.step(**inputs))
@@ -83,10 +85,16 @@ class GraphedStep:
             if not error <= MAX_REL_ERROR:
                 raise RuntimeError(f"replay differs from the step by {error:.1e} (relative), above {MAX_REL_ERROR:.0e}")
         except Exception as exc:  # an op that cannot be captured, or a graph that computes something else
-            self.failed = f"{type(exc).__name__}: {exc}"
-            if self.strict:
-                raise RuntimeError(f"cuda_graphs=on: the step cannot run as a graph: {self.failed}") from exc
-            log.warning("CUDA graphs off: the transformer step cannot run as a graph (%s)", self.failed)
+            # A failed capture raises again when it ends, before restoring the caller's stream.
+            torch.cuda.set_stream(stream)
+            cause = exc.__context__ or exc  # the op that broke the capture, not the capture's end
+            reason = f"{type(cause).__name__}: {cause}"
+            if self.strict:  # every call at this size raises: `on` means graphs or an error
+                raise RuntimeError(f"cuda_graphs=on: the step cannot run as a graph: {reason}") from exc
+            self.failed = reason
+            self.graphs.clear()
+            self.pool = None
+            log.warning("CUDA graphs off: the transformer step cannot run as a graph (%s)", reason)
             return
         self.pool = graph.pool()
         self.graphs[key] = (graph, inputs, outputs)
@@ -98,7 +106,7 @@ def _key(kwargs: dict[str, Any]) -> tuple | None:
     """What a graph is specific to: every tensor's shape, dtype and device, every other value."""
     if torch.is_grad_enabled() or kwargs.get("return_dict", True):
         return None
-    key = []
+    key = [("inference_mode", torch.is_inference_mode_enabled())]  # static inputs are made in that mode
     for name, value in sorted(kwargs.items()):
         if isinstance(value, torch.Tensor):
             if value.device.type != "cuda":
@@ -107,7 +115,7 @@ def _key(kwargs: dict[str, Any]) -> tuple | None:
         elif value is None or isinstance(value, (bool, int, float, str)):
             key.append((name, value))
         elif value == {}:  # FluxPipeline passes joint_attention_kwargs={} when none are set
-            key.append((name, "{}"))
+            key.append((name, dict))
         else:
             return None
     return tuple(key)
