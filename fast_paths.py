@@ -84,12 +84,7 @@ def resolve_fp8(options: Options, device: torch.device) -> Decision:
     """
     if options.fp8 == "off":
         return Decision("fp8", "off", "requested")
-    problem = _cuda_problem(device, (8, 9), "FP8")
-    if problem is None:
-        return Decision("fp8", "on", options.fp8)
-    if options.fp8 == "on":
-        raise RuntimeError(f"fp8=on cannot run: {problem}. Use --fp8 auto or off.")
-    return Decision("fp8", "off", f"auto: {problem}")
+    return _on_off_auto("fp8", options.fp8, _cuda_problem(device, (8, 9), "FP8"))
 
 
 def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
@@ -102,12 +97,17 @@ def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
     """
     if options.cuda_graphs == "off":
         return Decision("cuda_graphs", "off", "requested")
-    if device.type == "cuda":
-        return Decision("cuda_graphs", "on", options.cuda_graphs)
-    problem = f"CUDA graphs need a CUDA GPU; the pipeline is on {device.type}"
-    if options.cuda_graphs == "on":
-        raise RuntimeError(f"cuda_graphs=on cannot run: {problem}. Use --cuda-graphs auto or off.")
-    return Decision("cuda_graphs", "off", f"auto: {problem}")
+    problem = None if device.type == "cuda" else f"CUDA graphs need a CUDA GPU; the pipeline is on {device.type}"
+    return _on_off_auto("cuda_graphs", options.cuda_graphs, problem)
+
+
+def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:
+    """`on` or `auto` (not `off`): on without a problem; else `on` raises with it, `auto` falls back."""
+    if problem is None:
+        return Decision(name, "on", requested)
+    if requested == "on":
+        raise RuntimeError(f"{name}=on cannot run: {problem}. Use --{name.replace('_', '-')} auto or off.")
+    return Decision(name, "off", f"auto: {problem}")
 
 
 def load_fa3(source: str) -> Any:
