@@ -5,13 +5,16 @@ download), so the numbers are about shapes and kernels, not image quality; `--mo
 one. Each group of scenarios runs in a fresh process with empty Inductor and Triton caches (a cold
 Space start), and the groups run one after another on the same GPU. Per scenario:
 
-    step ms      median of the transformer's forward (CUDA events, after warm-up)
+    step ms      median of the transformer's forward (CUDA events, after warm-up), as the template
+                 runs it: compiled scenarios on CUDA replay it as a CUDA graph (graphs.py)
     speedup      eager step ms / step ms, eager measured in this run
+    without CUDA graphs   the same compiled step called plainly, and the graph replay's relative
+                 error against it on inputs other than the captured ones
     s / image    one generation: text encoders + all steps + VAE decode
-    graphs       the same compiled step replayed as a CUDA graph (graphs.py; off in the template by
-                 default), with its relative error against the plain step on new inputs
     ready s      compile: regional compile from scratch (* = second compile in its process);
-                 warm start: load + verify + bind the saved packages and run the first step
+                 warm start: load + verify + apply the saved packages and run the first step
+    ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process (a Space
+                 runs it while loading the weights; not part of ready s; blocks.probe_cpu_isa_in_background)
     peak GiB     peak allocated GPU memory during that generation
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
@@ -217,33 +220,30 @@ def block_ms(pipe, size: int) -> dict[str, float]:
         return {name: median_ms(lambda b=block, k=calls[name][1]: b(**k)) for name, block in firsts.items()}
 
 
-def measure_graphs(pipe, row: dict, args) -> None:
-    """The same compiled step replayed as a CUDA graph (graphs.py): step ms, and its relative
-    error against the plain step on inputs other than the ones it was captured with."""
-    kwargs = step_inputs(pipe, args.size)
-    graphed = graph_step_(pipe.transformer)
-    try:
-        with torch.no_grad():
-            graphed(**kwargs)  # capture
-            if not (graphed.graphs or graphed.failed):
-                raise RuntimeError("the step inputs were not captured as a graph (graphs._key refused them)")
-            changed = ("hidden_states", "encoder_hidden_states", "timestep")
-            other = {**kwargs, **{n: torch.randn_like(kwargs[n]) for n in changed}}
-            row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
-            row["step_ms_graphs"] = median_ms(lambda: graphed(**kwargs))
-        row["graphs_failed"] = graphed.failed
-    except Exception as exc:  # keep the row's plain numbers
-        row["graphs_failed"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        del pipe.transformer.forward
+def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool) -> torch.Tensor:
+    """Fill in step ms, block ms, s / image, peak GiB and rel. error; return the final latents.
 
-
-def measure(pipe, row: dict, args, reference: torch.Tensor | None) -> torch.Tensor:
-    """Fill in step ms, block ms, s / image, peak GiB and rel. error; return the final latents."""
+    With `graphs` (compiled scenarios on CUDA) the transformer then runs as the template runs it by
+    default: through CUDA graphs (`graph_step_`, what `optimize_` applies). The step is timed both
+    ways, the replay is compared with the plain step on inputs other than the captured ones, and
+    the generation runs with graphs.
+    """
     kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
         row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
-    row["block_ms"] = block_ms(pipe, args.size)
+    row["block_ms"] = block_ms(pipe, args.size)  # forward hooks: they need plain steps
+    if graphs:
+        graphed = graph_step_(pipe.transformer)
+        with torch.no_grad():
+            graphed(**kwargs)  # capture, then the replay check
+            if graphed.graphs and not graphed.failed:
+                changed = ("hidden_states", "encoder_hidden_states", "timestep")
+                other = {**kwargs, **{n: torch.randn_like(kwargs[n]) for n in changed}}
+                row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
+                row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
+            else:
+                row["graphs_failed"] = graphed.failed or "the step inputs were refused (graphs._key)"
+                del pipe.transformer.forward
     generate(pipe, args.size, 2)  # warm up the text encoders and VAE at this size
     reset_peak()
     row["s_per_image"], latents = generate(pipe, args.size, args.steps)
@@ -252,11 +252,14 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None) -> torch.Tens
     return latents
 
 
-def build(args):
+def build(args, load: str | None = None):
+    """The pipeline to measure, loaded as `load_pipeline` loads it: with the CPU ISA probe a compile
+    needs running beside, unless packages are to be loaded from `load` (a warm start)."""
     if args.model == RANDOM:
-        probe_cpu_isa_in_background()  # as load_pipeline does while it loads weights
+        if not load:
+            probe_cpu_isa_in_background()
         return random_flux_dev("cuda" if torch.cuda.is_available() else "cpu")
-    return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model}))
+    return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
 
 def worker(names: list[str], args) -> None:
@@ -273,19 +276,24 @@ def worker(names: list[str], args) -> None:
             if SCENARIOS[name] is not None:
                 for block in pipe.transformer.modules():  # back to eager blocks, same weights
                     block.__dict__.pop("forward", None)
-                # graphs are measured apart (measure_graphs): the per-block timing needs plain steps
+                # graphs are applied in `measure`, after the per-block timing (which needs plain steps)
                 options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
                 if name == "all":
                     options = dataclasses.replace(options, save=str(work / "packages"))
+                start = time.perf_counter()
+                probe_cpu_isa_in_background().join()  # once per process; a Space overlaps it with loading weights
+                row["isa_probe_s"] = time.perf_counter() - start
                 start = time.perf_counter()
                 report = optimize_(pipe, options)
                 row["ready_s"], row["cold"] = time.perf_counter() - start, compiles == 0
                 compiles += 1
                 row["decisions"] = [str(d) for d in report.decisions]
-                row["blocks"] = {p.block: {"rel_error": p.rel_error, "fp8": p.fp8} for p, _ in report.rows}
-            latents = measure(pipe, row, args, reference)
-            if SCENARIOS[name] is not None and torch.cuda.is_available():
-                measure_graphs(pipe, row, args)
+                row["blocks"] = {
+                    p.block: {"rel_error": p.rel_error, "fp8": p.fp8, "export_s": p.export_s, "compile_s": p.compile_s}
+                    for p, _ in report.rows
+                }
+            graphs = SCENARIOS[name] is not None and torch.cuda.is_available()
+            latents = measure(pipe, row, args, reference, graphs)
             if name == "eager":
                 torch.save(latents, work / "eager.pt")
                 reference = latents
@@ -295,20 +303,33 @@ def worker(names: list[str], args) -> None:
 
 
 def warm_start(args) -> dict:
-    """app.py as a Space starts it with saved packages: import (load, verify, bind), first step, images."""
+    """app.py as a Space starts it with saved packages (AOT_LOAD), then app.generate on real prompts.
+
+    load_s: `import app` once its libraries are imported: load and verify the packages, apply them
+    to the blocks, build the UI. first_step_s: the first step at the bench size, which binds every
+    block to its package (and captures the step's CUDA graph). ready_s: both. Loading the weights
+    is not part of it; neither is the CPU ISA probe, which a warm start does not run (isa_probes).
+    """
+    import gradio  # noqa: F401  (library imports are not part of the warm start)
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
     import compile
 
-    pipe = build(args)  # weights: not part of the warm start
+    packages = str(Path(args.work) / "packages")
+    pipe = build(args, load=packages)
     compile.load_pipeline = lambda options: pipe  # app.py's own loader would download; this is the same pipeline
-    os.environ.update(AOT_LOAD=str(Path(args.work) / "packages"), AOT_STRICT="1")
+    os.environ.update(AOT_LOAD=packages, AOT_STRICT="1")
     row = {"scenario": "warm", "cold": None}
     start = time.perf_counter()
     import app
 
     row["load_s"] = time.perf_counter() - start
+    first = time.perf_counter()
     pipe(PROMPTS[0], height=args.size, width=args.size, num_inference_steps=1, output_type="latent")
     sync()
+    row["first_step_s"] = time.perf_counter() - first
     row["ready_s"] = time.perf_counter() - start
+    row["isa_probes"] = valid_vec_isa_list.cache_info().misses
     row["decisions"] = [app.STATUS]
     kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
@@ -374,28 +395,40 @@ def table(rows: list[dict], args) -> str:
     eager = next(r for r in rows if r["scenario"] == "eager" and "error" not in r)
     lines = [
         f"{args.size}x{args.size}, {args.steps} steps, batch 1",
-        "| scenario | step ms | speedup | CUDA graphs: step ms | s / image | ready s | peak GiB "
+        "| scenario | step ms | speedup | without CUDA graphs | s / image | ready s | ISA probe s | peak GiB "
         "| rel. error vs eager |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} |||||||")
+            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} ||||||||")
             continue
         row["speedup"] = eager["step_ms"] / row["step_ms"]
+        plain = row.get("step_ms_no_graphs")
+        if row.get("graphs_failed"):
+            plain = f"graphs failed: {row['graphs_failed'][:80]}"
+        elif plain is not None:
+            plain = f"{plain:.1f} ({eager['step_ms'] / plain:.2f}x; replay error {row['graph_rel_error']:.0e})"
         ready = "-" if row["ready_s"] is None else f"{row['ready_s']:.1f}{'' if row['cold'] in (True, None) else '*'}"
+        probe = "-" if row.get("isa_probe_s") is None else f"{row['isa_probe_s']:.1f}"
         peak = "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
         error = "-" if row.get("rel_error") is None else f"{row['rel_error']:.1e}"
-        graphs = row.get("step_ms_graphs")
-        if row.get("graphs_failed"):
-            graphs = f"failed: {row['graphs_failed'][:80]}"
-        elif graphs is not None:
-            graphs = f"{graphs:.1f} ({eager['step_ms'] / graphs:.2f}x, error {row['graph_rel_error']:.0e})"
         lines.append(
-            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {graphs or '-'} "
-            f"| {row['s_per_image']:.2f} | {ready} | {peak} | {error} |"
+            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {plain or '-'} "
+            f"| {row['s_per_image']:.2f} | {ready} | {probe} | {peak} | {error} |"
         )
-    return "\n".join(lines)
+        for block, meta in row.get("blocks", {}).items():
+            notes.append(
+                f"{row['scenario']} {block}: export {meta['export_s']:.1f} s, compile {meta['compile_s']:.1f} s, "
+                f"rel. error {meta['rel_error']:.1e}{' (FP8)' if meta['fp8'] else ''}"
+            )
+        if row["scenario"] == "warm":
+            notes.append(
+                f"warm: load + verify + apply {row['load_s']:.2f} s, first step (binds every block) "
+                f"{row['first_step_s']:.2f} s, CPU ISA probes run: {row['isa_probes']}"
+            )
+    return "\n".join(lines + [""] + notes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import io
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -226,15 +226,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def probe_cpu_isa_in_background() -> threading.Thread:
-    """Start AOTInductor's CPU vector-ISA probe on a thread (once per process); returns it.
+    """Start Inductor's CPU vector-ISA probe on a thread (once per process); returns it.
 
-    Every package compile and load needs it: a package records the host CPU's vector ISA and a load
-    compares it (`torch.export.pt2_archive._package._load_aoti` -> `get_device_information` ->
-    `cpu_vec_isa.pick_vec_isa`). Torch finds it by building and loading test programs, each load
-    in a child Python: 1-8 s on the CPU dev machine; on the H200 host (torch 2.11) a process's first
-    package load waited 29.9 s, which a profile puts in this probe's 9 child processes
-    (2026-11-29). A caller starts it before a slow step such as loading weights; the first load
-    joins it.
+    Compiling a package needs it (AOTInductor builds the package's C++ wrapper with the host's
+    vector flags, `cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test
+    programs, each load in a child Python: 1-8 s on the CPU dev machine, 43.6-48.0 s on the H200
+    host with torch 2.11 (9 child processes; 43.6 s with the test builds already cached; measured
+    2026-11-29). `load_pipeline` starts it beside loading the weights; a compile joins it.
+    Loading a package does not need it (`load_runner`).
     """
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
@@ -248,16 +247,38 @@ def probe_cpu_isa_in_background() -> threading.Thread:
 _probe: threading.Thread | None = None
 
 
+def load_runner(package: bytes) -> Any:
+    """Load the AOTInductor model in a `.pt2` package's bytes; returns the runner.
+
+    The runner is single-threaded: no locks or CUDA event queries per call, so a step can be
+    captured into a CUDA graph (graphs.py); one call at a time per block, as in a diffusion loop.
+
+    This is the loader `torch._inductor.aoti_load_package` wraps (`AOTIModelPackageLoader`, as its
+    own fallback calls it) without the device-information check in front of it: that check only
+    warns on a mismatch, and it runs the CPU ISA probe (`probe_cpu_isa_in_background`: 43.6 s on
+    the H200 host, against about 10 ms per load). Packages are checked before they get here
+    instead: `packages.fingerprint` records the host CPU, CUDA and compute capability, and a set
+    that differs is refused, not warned about.
+
+    Raises:
+        RuntimeError: the native loader cannot read the package.
+    """
+    from torch._inductor.package import AOTICompiledModel
+
+    with tempfile.NamedTemporaryFile(suffix=".pt2") as f:  # the loader reads a path; it extracts at once
+        f.write(package)
+        f.flush()
+        loader = torch._C._aoti.AOTIModelPackageLoader(f.name, "model", True, 1, -1)
+    return AOTICompiledModel(loader)
+
+
 def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
     """Load a weights-less package and bind it to `block`'s own tensors (no copy).
 
     Returns the runner (call it like the block's forward) and the constants it is bound to, by
     the package's names.
     """
-    probe_cpu_isa_in_background().join()  # one probe per process, not one per thread
-    # Single-threaded runner: no locks or CUDA event queries per call, so a step can be captured
-    # into a CUDA graph (graphs.py). One call at a time per block, as in a diffusion loop.
-    runner = torch._inductor.aoti_load_package(io.BytesIO(package), run_single_threaded=True)
+    runner = load_runner(package)
     available = block_constants(block)
     constants = {name: available[name] for name in runner.get_constant_fqns()}
     runner.load_constants(constants, check_full_update=True, user_managed=True)

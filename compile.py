@@ -284,7 +284,7 @@ def _compile_class(
 def optimize_(pipe: Any, options: Options | None = None) -> Report:
     """Regionally AoT-compile `pipe.transformer` in place, or bind saved packages that match.
 
-    With `options.cuda_graphs` (off by default) the step then runs as CUDA graphs (graphs.py).
+    With `options.cuda_graphs` (`auto`: on CUDA) the step then runs as CUDA graphs (graphs.py).
     With `options.load`, verified packages from that folder or Hub repo are used; when they do not
     match, the reason is logged and the blocks are compiled (or, with `options.strict`, it raises).
     With `options.save` (and `options.push`) the packages in use, compiled or loaded, are saved
@@ -329,7 +329,8 @@ def load_pipeline(options: Options) -> Any:
     """
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    probe_cpu_isa_in_background()  # overlaps with loading the weights
+    if not options.load:
+        probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
     cuda = torch.cuda.is_available()
     if options.device.startswith("cuda") and not cuda:
         raise RuntimeError(

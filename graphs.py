@@ -3,8 +3,8 @@
 A compiled FLUX.1-dev step is 57 AOTI block calls plus the eager code between them, each a series
 of kernel launches; the GPU idles in the gaps (a profile on the H200: 94 ms of kernels in a 99 ms
 step at 1024x1024). A CUDA graph replays the same kernels as one launch. The compiled blocks allow
-it: their packages are loaded with `run_single_threaded=True` (torch's AOTI runner mode for graph
-capture; see `blocks.bind`).
+it: their packages are loaded with single-threaded runners (torch's AOTI runner mode for graph
+capture; see `blocks.load_runner`).
 
 The first call at a new shape runs as usual (its output is the answer; it also warms up the
 kernels), then the step is captured on copies of its inputs and replayed once: the replay must

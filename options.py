@@ -72,11 +72,11 @@ class Options:
         ),
     )
     cuda_graphs: str = field(
-        default="off",
+        default="auto",
         metadata=_option(
             "AOT_CUDA_GRAPHS",
             "replay each image size's transformer step as a CUDA graph, captured at its first step and checked"
-            " against it; auto: on where CUDA is. Off by default until the replay test has run on a GPU",
+            " against it; auto: on where CUDA is",
             choices=("auto", "on", "off"),
         ),
     )

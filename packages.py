@@ -6,7 +6,7 @@ Layout (what `spaces.aoti_blocks_load(transformer, repo_id, variant=...)` reads)
     DIR/<BlockClass>.<variant>/package.pt2    one weights-less AOTInductor package per block class
 
 The variant names the graph-changing choices, e.g. `fa3-fp8row-512-1536`. The fingerprint
-records what a package is valid for: library versions, CUDA and compute capability, dtype, size
+records what a package is valid for: library versions, host CPU, CUDA and compute capability, dtype, size
 range, attention and FP8 choices, and per block class its forward signature and weight names,
 shapes and dtypes. A package is used only when every field matches here and its bytes match the
 recorded SHA-256, so a stale, truncated or foreign package never reaches the native loader.
@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import uuid
@@ -36,7 +37,7 @@ from fast_paths import FA3_KERNEL_VERSION, Decision, resolve_attention, resolve_
 from options import Options, Resolution
 
 log = logging.getLogger("packages")
-SCHEMA = 1
+SCHEMA = 2
 PACKAGE = "package.pt2"
 
 
@@ -67,6 +68,8 @@ def fingerprint(
         "diffusers": diffusers.__version__,
         "kernels": kernels.__version__,
         "device": device_name,
+        # Every package holds C++ built for the host CPU's vector ISA (`blocks.load_runner`).
+        "host_cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}",
         "dtype": dtype_name(transformer.dtype),
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
         "attention": attention.value,

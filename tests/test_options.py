@@ -20,8 +20,7 @@ def parse(argv=(), environ=None) -> Options:
 
 def test_defaults_take_the_fast_paths_the_hardware_allows():
     options = parse()
-    assert (options.compile, options.attention, options.fp8) == (True, "auto", "auto")
-    assert options.cuda_graphs == "off"  # until its replay test has run on a GPU (README, Options)
+    assert (options.compile, options.attention, options.fp8, options.cuda_graphs) == (True, "auto", "auto", "auto")
 
 
 def test_flag_beats_environment_beats_default():
