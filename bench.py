@@ -352,7 +352,8 @@ def environment() -> dict:
     import diffusers
     import torchao
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    # `-dirty`: the tree differs from that commit (the measured code is not the commit alone)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -12,10 +12,11 @@
 GPU worker and only the small packages cross back; `apply_` runs in the main process. Outside
 ZeroGPU `@spaces.GPU` changes nothing and everything runs in this process.
 
-We use torch's public AOTI API (`torch.export.export`, `torch._inductor.aoti_compile_and_package`,
-`torch._inductor.aoti_load_package`, `load_constants`) rather than `spaces.aoti_*`: spaces 0.51.3's
-AoT module cannot be imported with a CPU-only torch (it reads CUDA attributes at import), and the
-tests and CI run on CPU. The steps are the same ones `spaces.aoti_*` wrap.
+We use torch's AOTI API (`torch.export.export`, `torch._inductor.aoti_compile_and_package`, the
+package loader behind `aoti_load_package` (see `blocks.load_runner`), `load_constants`) rather than
+`spaces.aoti_*`: spaces 0.51.3's AoT module cannot be imported with a CPU-only torch (it reads CUDA
+attributes at import), and the tests and CI run on CPU. The steps are the same ones `spaces.aoti_*`
+wrap.
 
     python compile.py --model assets/tiny-flux                      # compile, check, print the report
     python compile.py --model assets/tiny-flux --save packages      # ... and save the packages
