@@ -232,7 +232,8 @@ def probe_cpu_isa_in_background() -> threading.Thread:
     vector flags, `cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test
     programs, each load in a child Python: 1-8 s on the CPU dev machine, 43.6-48.0 s on the H200
     host with torch 2.11 (9 child processes; 43.6 s with the test builds already cached; measured
-    2026-11-29). `load_pipeline` starts it beside loading the weights; a compile joins it.
+    2026-11-29). `load_pipeline` starts it beside loading the weights when it will compile;
+    `compile_blocks` joins it.
     Loading a package does not need it (`load_runner`).
     """
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
@@ -257,8 +258,9 @@ def load_runner(package: bytes) -> Any:
     own fallback calls it) without the device-information check in front of it: that check only
     warns on a mismatch, and it runs the CPU ISA probe (`probe_cpu_isa_in_background`: 43.6 s on
     the H200 host, against about 10 ms per load). Packages are checked before they get here
-    instead: `packages.fingerprint` records the host CPU, CUDA and compute capability, and a set
-    that differs is refused, not warned about.
+    instead (`packages.load_packages`): the CPU architecture, CUDA and compute capability must
+    match, and this CPU must have every flag of the vector ISA the packages were built for; a set
+    that fails is refused, not warned about.
 
     Raises:
         RuntimeError: the native loader cannot read the package.

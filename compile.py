@@ -37,6 +37,7 @@ from typing import Any
 
 import spaces
 import torch
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
@@ -197,6 +198,8 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         sizes[1] = (resolution.max_side, resolution.max_side)
     firsts = {name: found[0] for name, found in blocks.items()}
     captures = capture_blocks(pipe, firsts, sizes)
+    probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
+    valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
     tokens = [resolution.tokens(*size) for size in sizes]
 
     packages, fp8_notes = {}, []
@@ -255,7 +258,6 @@ def _compile_class(
         op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
         if not any(node.target is op for node in exported.graph.nodes):
             raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")
-    probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
     start = time.perf_counter()
     package = compile_package(exported)
     compile_s = time.perf_counter() - start
@@ -325,12 +327,17 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
 def load_pipeline(options: Options) -> Any:
     """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`.
 
+    Beside the weights it starts the CPU ISA probe a compile needs (`probe_cpu_isa_in_background`),
+    unless nothing is compiled (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does
+    not need it; if they are then refused, the compile waits for the probe: 35-48 s on the H200
+    host with torch 2.11).
+
     Raises:
         RuntimeError: the model cannot be fetched, or it is too large to run without CUDA.
     """
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    if not options.load:
+    if options.compile and not options.load:
         probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
     cuda = torch.cuda.is_available()
     if options.device.startswith("cuda") and not cuda:

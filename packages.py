@@ -6,10 +6,11 @@ Layout (what `spaces.aoti_blocks_load(transformer, repo_id, variant=...)` reads)
     DIR/<BlockClass>.<variant>/package.pt2    one weights-less AOTInductor package per block class
 
 The variant names the graph-changing choices, e.g. `fa3-fp8row-512-1536`. The fingerprint
-records what a package is valid for: library versions, host CPU, CUDA and compute capability, dtype, size
-range, attention and FP8 choices, and per block class its forward signature and weight names,
-shapes and dtypes. A package is used only when every field matches here and its bytes match the
-recorded SHA-256, so a stale, truncated or foreign package never reaches the native loader.
+records what a package is valid for: library versions, CPU architecture, CUDA and compute
+capability, dtype, size range, attention and FP8 choices, and per block class its forward signature
+and weight names, shapes and dtypes; plus the CPU vector ISA its C++ was built for. A package is
+used only when every field matches here, this CPU has that ISA, and its bytes match the recorded
+SHA-256, so a stale, truncated or foreign package never reaches the native loader.
 A save writes the new set beside the folder and swaps it in with two renames, so no reader sees a
 half-written set.
 Neither weights nor tokens are written. (AOTInductor itself embeds its build command, with the
@@ -68,8 +69,8 @@ def fingerprint(
         "diffusers": diffusers.__version__,
         "kernels": kernels.__version__,
         "device": device_name,
-        # Every package holds C++ built for the host CPU's vector ISA (`blocks.load_runner`).
-        "host_cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}",
+        # Each package holds C++ for this architecture; `compile_blocks` adds the vector ISA ("cpu_isa").
+        "machine": platform.machine(),
         "dtype": dtype_name(transformer.dtype),
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
         "attention": attention.value,
@@ -97,7 +98,7 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     """Human-readable fingerprint differences, e.g. `torch: 2.11.0 (packages) vs 2.13.0 (here)`."""
     out = []
     for key in sorted(set(saved) | set(here)):
-        if key == "blocks":
+        if key in ("blocks", "cpu_isa"):  # cpu_isa: a property of the packages, see cpu_isa_problem
             continue
         if saved.get(key) != here.get(key):
             out.append(f"{key}: {saved.get(key)} (packages) vs {here.get(key)} (here)")
@@ -112,6 +113,24 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
                 detail = _first_weight_difference(a, b) if field == "weights" else f"{a[field]} vs {b[field]}"
                 out.append(f"{name} {field} differ: {detail}")
     return out
+
+
+def cpu_isa_problem(cpu_isa: str) -> str | None:
+    """Why this CPU cannot run C++ built for `cpu_isa` (Inductor's vector ISA at compile time, e.g.
+    `avx512 avx512_vnni`), or None.
+
+    Torch's own rule for a usable ISA (`cpu_vec_isa.valid_vec_isa_list`): every flag of it is in
+    `x86_isa_checker()`, which asks the CPU (under a millisecond; no test builds). Other
+    architectures have no finer names than the architecture, which the fingerprint compares.
+    """
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    missing = [flag for flag in cpu_isa.split() if flag not in x86_isa_checker()]
+    if missing:
+        return f"the packages were built for CPU ISA {cpu_isa!r}; this CPU lacks {', '.join(missing)}"
+    return None
 
 
 def _first_weight_difference(a: dict, b: dict) -> str:
@@ -237,6 +256,11 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     diff = differences(saved, here)
     if diff:
         return None, "fingerprint differs: " + "; ".join(diff[:3])
+    if "cpu_isa" not in saved:
+        return None, f"{config_path.name} records no cpu_isa"
+    problem = cpu_isa_problem(saved["cpu_isa"])
+    if problem:
+        return None, problem
     packages = {}
     for block, meta in config["blocks"].items():
         path = folder / f"{block}.{name}" / PACKAGE

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import pickle
+import platform
 import re
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from blocks import rel_error
 from compile import optimize_
@@ -45,6 +47,7 @@ def test_layout_is_what_spaces_reads_and_holds_no_weights_or_paths(saved):
         [f"config.{VARIANT}.json", *(f"{c}.{VARIANT}" for c in CLASSES)]
     )
     config = (saved / f"config.{VARIANT}.json").read_text()
+    assert json.loads(config)["fingerprint"]["cpu_isa"] == str(pick_vec_isa())  # what Inductor built for
     for private in (str(ROOT), str(Path.home()), str(saved), "/tmp/"):
         assert private not in config
     for block in CLASSES:
@@ -93,14 +96,22 @@ def _package(folder: Path) -> Path:
 
 def _flip_bytes(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    middle = slice(len(data) // 2, len(data) // 2 + 64)
+    data[middle] = bytes(b ^ 0xFF for b in data[middle])  # always a change (zeroing may hit zero padding)
     path.write_bytes(bytes(data))
 
 
 BREAKAGES = {
     "other torch": (lambda f: _edit_fingerprint(f, torch="2.0.0"), r"torch: 2\.0\.0 \(packages\) vs"),
     "other device": (lambda f: _edit_fingerprint(f, device="cuda sm_90"), r"device: cuda sm_90 \(packages\) vs cpu"),
-    "other host CPU": (lambda f: _edit_fingerprint(f, host_cpu="aarch64 DEFAULT"), r"host_cpu: aarch64 DEFAULT \(pack"),
+    "other CPU architecture": (
+        lambda f: _edit_fingerprint(f, machine="riscv64"),
+        rf"machine: riscv64 \(packages\) vs {platform.machine()} \(here\)",
+    ),
+    "CPU ISA this CPU lacks": (
+        lambda f: _edit_fingerprint(f, cpu_isa="avx2 no_such_flag"),
+        "built for CPU ISA 'avx2 no_such_flag'; this CPU lacks .*no_such_flag",
+    ),
     "missing package": (lambda f: _package(f).unlink(), "package.pt2 is missing"),
     "truncated package": (lambda f: _package(f).write_bytes(_package(f).read_bytes()[:1000]), "truncated"),
     "corrupt package": (lambda f: _flip_bytes(_package(f)), "does not match its SHA-256"),
