@@ -127,7 +127,8 @@ def cpu_isa_problem(cpu_isa: str) -> str | None:
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
-    missing = [flag for flag in cpu_isa.split() if flag not in x86_isa_checker()]
+    have = x86_isa_checker()
+    missing = [flag for flag in cpu_isa.split() if flag not in have]
     if missing:
         return f"the packages were built for CPU ISA {cpu_isa!r}; this CPU lacks {', '.join(missing)}"
     return None
