@@ -76,10 +76,11 @@ CAPTURE_SIZE = (1024, 1024)
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
-    # Store a pointwise result once computing it takes more than 16 ops, instead of recomputing it
-    # in every kernel that reads it (Inductor's default: 30 on GPU). In FLUX's single block the FP8
-    # input of proj_out, cat(attention, gelu_tanh(mlp)), is read by the row-amax and by the cast:
-    # one kernel instead of three, 1.709 -> 1.600 ms per block, FP8 on the H200 (BENCHMARKS.md).
+    # Store a pointwise result that is read more than once when it takes more than 16 ops,
+    # instead of recomputing it in every kernel that reads it (Inductor's GPU default: 30). In
+    # FLUX's single block the FP8 input of proj_out, cat(attention, gelu_tanh(mlp)), is read by the
+    # row-amax and by the cast: one kernel instead of three, 1.709 -> 1.600 ms per FP8 block on the
+    # H200 (BENCHMARKS.md).
     "realize_opcount_threshold": 16,
 }
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
