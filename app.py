@@ -14,9 +14,10 @@ import random
 import time
 
 import gradio as gr
-import spaces
+import spaces  # noqa: F401  (before torch: on ZeroGPU it patches torch before anything can touch CUDA)
 import torch
 
+import zerogpu
 from compile import load_pipeline, optimize_
 from options import Options
 
@@ -90,8 +91,8 @@ def gpu_seconds(prompt, seed, width, height, steps, guidance) -> int:
     return min(MAX_GPU_SECONDS, math.ceil(10 + steps * SECONDS_PER_STEP_AT_4096_TOKENS * tokens / 4096))
 
 
-@spaces.GPU(duration=gpu_seconds)
 def infer(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float):
+    """(On the GPU.) One image as a PIL image. `pipe` reaches a ZeroGPU worker through fork."""
     generator = torch.Generator(device=pipe.device).manual_seed(seed)
     return pipe(
         prompt=prompt,
@@ -102,6 +103,9 @@ def infer(prompt: str, seed: int, width: int, height: int, steps: int, guidance:
         max_sequence_length=TEXT_TOKENS,
         generator=generator,
     ).images[0]
+
+
+infer = zerogpu.gpu(infer, duration=gpu_seconds, size=OPTIONS.gpu_size)
 
 
 def generate(

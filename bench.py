@@ -18,9 +18,12 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     peak GiB     peak allocated GPU memory during that generation
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
-The last scenario, `warm`, is the Space itself: app.py imported with the packages `all` saved
-(AOT_LOAD), then app.generate() on real prompts. It prints a markdown table, then one JSON line
-(date, GPU, versions, commit, rows) last.
+`warm` is the Space itself: app.py imported with the packages `all` saved (AOT_LOAD), then
+app.generate() on real prompts. `zerogpu` is the Space as ZeroGPU runs it, under
+zerogpu_harness.py (the real spaces package, forked GPU workers, weights packed to disk at launch):
+ready s is the startup compile in a worker plus applying its packages here; then /generate through
+gradio_client: the first request on a new worker, warm requests, and the step as the worker runs it.
+It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last.
 
     python bench.py                              # everything, 1024x1024, 28 steps
     python bench.py --scenarios eager,aot --steps 8
@@ -33,16 +36,18 @@ import dataclasses
 import datetime
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
 
-from blocks import probe_cpu_isa_in_background, rel_error, repeated_blocks
+from blocks import probe_cpu_isa_in_background, rel_error, repeated_blocks, wait_for_cpu_isa_probe
 from compile import capture, capture_blocks, load_pipeline, optimize_
 from graphs import graph_step_
 from options import Options
@@ -111,7 +116,7 @@ SCENARIOS = {
 }
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
 # (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
-GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["warm"]]
+GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["warm"], ["zerogpu"]]
 PROMPTS = ["a photo of a red fox in fresh snow, morning light", "an isometric pixel-art lighthouse at dusk"]
 RANDOM = "random-flux-dev"
 
@@ -147,6 +152,37 @@ def random_flux_dev(device: str):
         tokenizer_2=t5_tokenizer(),
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
     )
+
+
+def random_flux_dev_on_cpu():
+    """`random_flux_dev`'s pipeline built on the CPU in seconds: no initializers run (17B values
+    through torch's serial CPU generator took minutes), every weight is cut from one seeded pool of
+    uniform values scaled by 1/sqrt(fan-in); 1-d weights (norm scales) are 1, biases 0, buffers are
+    the modules' own. Other random weights than `random_flux_dev`'s: for timings, not for errors."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        pipe = random_flux_dev("cpu")
+    size = 2**24
+    pool = (torch.rand(size, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(torch.bfloat16).repeat(2)
+    start = 0
+    for component in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
+        for module in component.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or param.device.type != "meta":
+                    continue
+                value = torch.empty(param.shape, dtype=param.dtype)
+                if param.dim() >= 2:
+                    flat = value.view(-1)
+                    for begin in range(0, flat.numel(), size):
+                        piece = flat[begin : begin + size]
+                        piece.copy_(pool[start : start + piece.numel()])
+                        start = (start + 7919) % size
+                    value.mul_(param[0].numel() ** -0.5)
+                else:
+                    value.fill_(1.0 if name == "weight" else 0.0)
+                module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+    return pipe
 
 
 def step_inputs(pipe, size: int) -> dict:
@@ -266,6 +302,9 @@ def worker(names: list[str], args) -> None:
     """Run `names` in this process; print one `ROW {json}` line per scenario."""
     if names == ["warm"]:
         return print("ROW " + json.dumps(warm_start(args)), flush=True)
+    if names == ["zerogpu"]:
+        print("ROW " + json.dumps(zerogpu_start(args)), flush=True)
+        os._exit(0)  # a Space never stops: closing it hung here (H200, 2026-12-01); its worker is ended
     pipe = build(args)
     work = Path(args.work)
     reference = torch.load(work / "eager.pt") if (work / "eager.pt").exists() else None
@@ -348,6 +387,59 @@ def warm_start(args) -> dict:
     return row
 
 
+def zerogpu_start(args) -> dict:
+    """app.py as a ZeroGPU Space runs it; this process is the Space's main process, under
+    zerogpu_harness.py (run_group starts it so): CUDA is emulated here, GPU work runs in workers.
+
+    isa_probe_s: the CPU ISA probe, finished here before the first fork (a Space overlaps it with
+    loading the weights). ready_s: `import app` (the startup call compiles in a worker and returns
+    the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
+    packs the weights to disk. first_request_s: /generate on a new worker (weights from disk to the
+    GPU, every block bound, the step's CUDA graph captured, then the image). s_per_image: warm
+    requests (the worker reused). step_ms: (warm request - request of 2 steps) / (steps - 2).
+    Peak GPU memory belongs to the worker and is not measured here.
+    """
+    import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
+    from gradio_client import Client
+
+    import compile
+
+    row = {"scenario": "zerogpu", "cold": True}
+    if args.model == RANDOM:
+        probe_cpu_isa_in_background()  # as load_pipeline does
+        pipe = random_flux_dev_on_cpu().to("cuda")  # emulated CUDA tensors: the weights stay in this process
+    else:
+        pipe = load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model}))
+    compile.load_pipeline = lambda options: pipe  # app.py loads it no other way
+    start = time.perf_counter()
+    wait_for_cpu_isa_probe()
+    row["isa_probe_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    import app
+
+    row["ready_s"] = time.perf_counter() - start
+    row["decisions"] = [app.STATUS]
+    port = int(os.environ["GRADIO_SERVER_PORT"])
+    start = time.perf_counter()
+    app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
+    row["launch_s"] = time.perf_counter() - start
+    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+
+    def request(steps: int) -> float:
+        begin = time.perf_counter()
+        client.predict(PROMPTS[0], 0, False, args.size, args.size, steps, 3.5, api_name="/generate")
+        return time.perf_counter() - begin
+
+    row["first_request_s"] = request(args.steps)
+    row["s_per_image"] = statistics.median(request(args.steps) for _ in range(3))
+    short = statistics.median(request(2) for _ in range(3))
+    row["step_ms"] = (row["s_per_image"] - short) / (args.steps - 2) * 1e3
+    row["new_worker_s"] = row["first_request_s"] - row["s_per_image"]
+    reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
+    urllib.request.urlopen(reclaim, timeout=30).close()  # the harness kills the GPU worker
+    return row
+
+
 def environment() -> dict:
     import diffusers
     import torchao
@@ -374,6 +466,12 @@ def run_group(names: list[str], args, logs: Path) -> list[dict]:
         "TRITON_CACHE_DIR": str(caches / "triton"),
     }
     cmd = [sys.executable, __file__, "--worker", ",".join(names), *_shared_flags(args)]
+    if names == ["zerogpu"]:  # the Space's main process in ZeroGPU mode, the device API beside it
+        env["GRADIO_SERVER_PORT"] = str(_free_port())
+        harness = [str(ROOT / "zerogpu_harness.py"), "--port", str(_free_port())]
+        if not torch.cuda.is_available():
+            harness.append("--cpu")  # a smoke run on a machine without a GPU
+        cmd = [sys.executable, *harness, *cmd[1:]]
     log_path = logs / f"{names[0]}.log"
     with open(log_path, "w") as log:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
@@ -386,6 +484,12 @@ def run_group(names: list[str], args, logs: Path) -> list[dict]:
             print(f"{row['scenario']}: {row.get('error') or 'done'}", file=sys.stderr, flush=True)
             saved.write(json.dumps(row) + "\n")
     return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _shared_flags(args) -> list[str]:
@@ -423,6 +527,13 @@ def table(rows: list[dict], args) -> str:
             notes.append(
                 f"{row['scenario']} {block}: export {meta['export_s']:.1f} s, compile {meta['compile_s']:.1f} s, "
                 f"rel. error {meta['rel_error']:.1e}{' (FP8)' if meta['fp8'] else ''}"
+            )
+        if row["scenario"] == "zerogpu":
+            notes.append(
+                f"zerogpu: startup compile in a worker + apply {row['ready_s']:.1f} s (ISA probe before it "
+                f"{row['isa_probe_s']:.1f} s), launch (packs the weights) {row['launch_s']:.1f} s; first request on a "
+                f"new worker {row['first_request_s']:.2f} s, warm {row['s_per_image']:.2f} s: a new worker costs "
+                f"{row['new_worker_s']:.2f} s"
             )
         if row["scenario"] == "warm":
             notes.append(

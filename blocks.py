@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -248,6 +251,17 @@ def probe_cpu_isa_in_background() -> threading.Thread:
 _probe: threading.Thread | None = None
 
 
+def wait_for_cpu_isa_probe() -> None:
+    """Wait for the probe if `probe_cpu_isa_in_background` started it; start nothing.
+
+    Called before the first `@spaces.GPU` call: on ZeroGPU that call forks the worker, and a fork
+    must not copy a thread in the middle of its work (the locks it holds stay held in the child).
+    The finished probe's result is cached (`valid_vec_isa_list`), so the worker inherits it.
+    """
+    if _probe is not None:
+        _probe.join()
+
+
 def load_runner(package: bytes) -> Any:
     """Load the AOTInductor model in a `.pt2` package's bytes; returns the runner.
 
@@ -262,16 +276,71 @@ def load_runner(package: bytes) -> Any:
     match, and this CPU must have every flag of the vector ISA the packages were built for; a set
     that fails is refused, not warned about.
 
+    The loader extracts the package into a new folder `/tmp/<random>/` (whatever TMPDIR says; torch
+    2.11) and removes it when the runner is freed, which a killed process never does, and ZeroGPU
+    kills its workers. So each extraction is marked with this process's id, and the first load of a
+    process removes the folders of dead ones (`remove_stale_extractions`).
+
     Raises:
         RuntimeError: the native loader cannot read the package.
     """
     from torch._inductor.package import AOTICompiledModel
 
+    global _swept
+    if not _swept:
+        remove_stale_extractions()
+        _swept = True
     with tempfile.NamedTemporaryFile(suffix=".pt2") as f:  # the loader reads a path; it extracts at once
         f.write(package)
         f.flush()
         loader = torch._C._aoti.AOTIModelPackageLoader(f.name, "model", True, 1, -1)
+    for folder in _mapped_extractions():
+        (folder / f"{OWNER_MARK}{os.getpid()}").touch()
     return AOTICompiledModel(loader)
+
+
+# Where AOTIModelPackageLoader extracts packages, and the mark naming the process that loaded one.
+EXTRACT_ROOT = Path("/tmp")
+OWNER_MARK = ".aot-blocks-owner-"
+_swept = False
+
+
+def _mapped_extractions() -> set[Path]:
+    """The `/tmp/<random>` folders of the AOTI libraries this process has loaded (/proc/self/maps)."""
+    folders = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+            path = Path(fields[-1].strip()) if len(fields) == 6 else None
+            if path and path.suffix == ".so" and path.parts[:2] == EXTRACT_ROOT.parts and "aotinductor" in path.parts:
+                folders.add(EXTRACT_ROOT / path.parts[2])
+    return folders
+
+
+def remove_stale_extractions() -> list[Path]:
+    """Remove the package folders under /tmp that processes no longer alive extracted; returns them.
+
+    Only folders marked by `load_runner` (`/tmp/<random>/.aot-blocks-owner-<pid>`) are candidates;
+    those of living processes stay. A process killed between extracting and marking (microseconds)
+    leaves an unmarked folder, which stays.
+    """
+    removed = []
+    for mark in EXTRACT_ROOT.glob(f"*/{OWNER_MARK}*"):
+        pid = mark.name.removeprefix(OWNER_MARK)
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(mark.parent, ignore_errors=True)
+            removed.append(mark.parent)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -290,12 +359,13 @@ def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.T
 class CompiledBlock:
     """Replaces one block's `forward`: checks the inputs, then runs the class's package.
 
-    The package is loaded at the first call (on ZeroGPU that is inside the GPU worker) and bound
-    once to this block's own tensors (`load_constants(user_managed=True)`: no copy).
+    The package is loaded at the first call (on ZeroGPU that is inside the GPU worker, and again in
+    every new worker) and bound once to this block's own tensors (`load_constants(user_managed=True)`:
+    no copy). A package that calls FlashAttention-3 gets its kernel loaded first (`fa3_kernel`).
     """
 
-    def __init__(self, block: torch.nn.Module, package: BlockPackage):
-        self.block, self.package = block, package
+    def __init__(self, block: torch.nn.Module, package: BlockPackage, fa3_kernel: str | None = None):
+        self.block, self.package, self.fa3_kernel = block, package, fa3_kernel
         self._signature = forward_signature(block)
         self._runner = None
         self._lock = threading.Lock()
@@ -306,6 +376,8 @@ class CompiledBlock:
         if self._runner is None:
             with self._lock:
                 if self._runner is None:
+                    if self.fa3_kernel is not None:
+                        load_fa3(self.fa3_kernel)  # the package calls the FA3 op: register its kernel first
                     self._runner, _ = bind(self.package.package, self.block)
         return self._runner(**kwargs)
 
@@ -379,7 +451,9 @@ def rel_error(out: Any, ref: Any) -> float:
 def apply_(pipe: Any, compiled: Compiled) -> Report:
     """Patch every repeated block of `pipe.transformer` to run its class's package, in place.
 
-    Each block keeps its parameters (the package binds to them: one copy of the weights).
+    Each block keeps its parameters (the package binds to them: one copy of the weights). Nothing
+    here runs on the GPU or loads a package (FP8 quantizes the weights where they are: emulated CUDA
+    tensors in a ZeroGPU main process), so it runs in the main process everywhere.
 
     Raises:
         ValueError: a block does not match its package, or the patched count is off.
@@ -390,8 +464,6 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
             "enable_sequential_cpu_offload): they move weights between calls, while compiled blocks bind "
             "to the weights' memory once. Keep the pipeline on the GPU (pipe.to('cuda')) to compile it."
         )
-    if compiled.fa3_kernel is not None:
-        load_fa3(compiled.fa3_kernel)  # the packages call the FA3 op: register its kernel first
     blocks = repeated_blocks(pipe.transformer)
     rows = []
     for name, found in blocks.items():
@@ -402,7 +474,7 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
         for index, block in enumerate(found):
             check_constants(block, package, index)
         for block in found:
-            block.forward = CompiledBlock(block, package)
+            block.forward = CompiledBlock(block, package, compiled.fa3_kernel)
         rows.append((package, len(found)))
     patched = sum(isinstance(m.__dict__.get("forward"), CompiledBlock) for m in pipe.transformer.modules())
     if patched != sum(count for _, count in rows):

@@ -7,16 +7,22 @@
     graph    optional (`cuda_graphs`): each image size's step is captured once, then replayed (graphs.py)
     save / load   packages on disk or the Hub, verified by a fingerprint (packages.py)
 
-`optimize_(pipe)` does all of it in place and returns a `Report`. The first three steps are
-`compile_blocks`, decorated with `@spaces.GPU(duration=1500)`: on a ZeroGPU Space they run in the
-GPU worker and only the small packages cross back; `apply_` runs in the main process. Outside
-ZeroGPU `@spaces.GPU` changes nothing and everything runs in this process.
+`optimize_(pipe)` does all of it in place and returns a `Report`. Loading saved packages or the
+first three steps (`compile_blocks`) run in one `@spaces.GPU(duration=1500)` call, which on a
+ZeroGPU Space is a GPU worker: the pipeline reaches it through fork (module state), the attention
+and FP8 decisions are made on the real card there, and only the small packages cross back.
+`apply_` runs in the main process and touches no GPU; packages are loaded at each block's first
+call, inside the request's worker. zerogpu.py has the whole map of what runs where. Outside ZeroGPU
+`@spaces.GPU` changes nothing and everything runs in this process.
+
+Every `auto` fast path is tried, not assumed: an FA3 or FP8 block that fails to export, compile,
+load or match eager falls back (FP8 per block class to bf16, FA3 to SDPA for every class) with the
+reason in the report; only the plain bf16 SDPA block has no fallback.
 
 We use torch's AOTI API (`torch.export.export`, `torch._inductor.aoti_compile_and_package`, the
 package loader behind `aoti_load_package` (see `blocks.load_runner`), `load_constants`) rather than
-`spaces.aoti_*`: spaces 0.51.3's AoT module cannot be imported with a CPU-only torch (it reads CUDA
-attributes at import), and the tests and CI run on CPU. The steps are the same ones `spaces.aoti_*`
-wrap.
+`spaces.aoti_*`, which wrap the same steps: we verify packages before loading them, skip torch's
+CPU ISA probe at load, check every call's inputs, and run on CPU-only torch builds too.
 
     python compile.py --model assets/tiny-flux                      # compile, check, print the report
     python compile.py --model assets/tiny-flux --save packages      # ... and save the packages
@@ -35,12 +41,12 @@ import tempfile
 import time
 from typing import Any
 
-import spaces
 import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+import zerogpu
 from blocks import (
     BlockPackage,
     Call,
@@ -54,6 +60,7 @@ from blocks import (
     probe_cpu_isa_in_background,
     rel_error,
     repeated_blocks,
+    wait_for_cpu_isa_probe,
 )
 from fast_paths import (
     FP8_MAX_REL_ERROR,
@@ -176,18 +183,16 @@ def compile_package(exported: torch.export.ExportedProgram) -> bytes:
 # The entry points
 
 
-@spaces.GPU(duration=1500)
 def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     """Capture, export and compile one package per repeated block class of `pipe.transformer`.
 
-    Leaves `pipe` as it was (FP8 is tried on a copy of one block). On ZeroGPU this runs in the GPU
-    worker: everything CUDA (capability probes, kernel loads, autotuning) happens here, and only
-    the returned packages cross back to the main process.
+    Leaves `pipe` as it was (FP8 is tried on a copy of one block). Runs on the GPU the pipeline is
+    on: on ZeroGPU, inside the worker (`optimize_` calls it through `zerogpu.gpu`).
 
     Raises:
         ValueError: no repeated blocks, or inputs the shape rule cannot describe.
-        RuntimeError: a fast path was explicitly requested but cannot run, or a compiled block
-            does not match its eager block.
+        RuntimeError: a fast path was explicitly requested but cannot run, or a compiled bf16
+            SDPA block does not match its eager block.
     """
     options = options or Options()
     transformer = pipe.transformer
@@ -196,7 +201,6 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     attention = resolve_attention(options, transformer, transformer.device)
     fp8 = resolve_fp8(options, transformer.device)
     log.info("%s", attention)
-    valid_for = fingerprint(transformer, resolution, attention, fp8, options)
 
     capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
     sizes = [capture_size, (resolution.min_side, resolution.min_side)]
@@ -205,43 +209,84 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     firsts = {name: found[0] for name, found in blocks.items()}
     captures = capture_blocks(pipe, firsts, sizes)
     probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
-    valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
     tokens = [resolution.tokens(*size) for size in sizes]
-
-    packages, fp8_notes = {}, []
+    classes = {}
     for name, block in firsts.items():
         calls = [c[name] for c in captures]
-        contract = contract_from_captures(name, calls, tokens, resolution)
         kwargs = calls[0][1]
         with torch.no_grad():
             reference = block(**kwargs)
-        package = None
-        if fp8.value == "on":
-            quantized = copy.deepcopy(block)
-            counts = quantize_block_(quantized, fp8_config(options.fp8_granularity))
-            package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=True)
-            fp8_notes.append(
-                f"{name}: {counts[0]} linear layers in FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
-            )
-            del quantized
-            if package.rel_error > FP8_MAX_REL_ERROR and options.fp8 == "auto":
-                fp8_notes[-1] += f" > {FP8_MAX_REL_ERROR:.0e}: kept in bf16"
-                package = None
-        if package is None:
-            package = _compile_class(name, block, kwargs, contract, attention, reference, fp8=False)
-            if package.rel_error > MAX_REL_ERROR:
-                raise RuntimeError(
-                    f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
-                    f"above {MAX_REL_ERROR:.0e}"
-                )
-        packages[name] = package
+        classes[name] = (block, kwargs, contract_from_captures(name, calls, tokens, resolution), reference)
+
+    try:
+        packages, fp8_notes = _compile_classes(classes, attention, fp8, options)
+    except Exception as exc:
+        if attention.value != "fa3" or options.attention != "auto":
+            raise
+        attention = Decision("attention", "sdpa", f"auto: FA3 blocks failed their trial: {_brief(exc)}")
+        log.warning("%s", attention)
+        packages, fp8_notes = _compile_classes(classes, attention, fp8, options)
     if fp8.value == "on":
         fp8 = Decision(
             "fp8", "on" if any(p.fp8 for p in packages.values()) else "off", f"{fp8.reason}; " + "; ".join(fp8_notes)
         )
     log.info("%s", fp8)
+    valid_for = fingerprint(transformer, resolution, attention, fp8, options)
+    valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
     kernel = options.fa3_kernel if attention.value == "fa3" else None
     return Compiled(packages, [attention, fp8], resolution, kernel, options.fp8_granularity, valid_for)
+
+
+def _compile_classes(
+    classes: dict[str, tuple[torch.nn.Module, dict[str, Any], Contract, Any]],
+    attention: Decision,
+    fp8: Decision,
+    options: Options,
+) -> tuple[dict[str, BlockPackage], list[str]]:
+    """One package per class under `attention`; FP8 where it is on and passes its trial.
+
+    With `fp8=auto`, a class whose FP8 block fails to export, compile, load, or to stay within
+    `FP8_MAX_REL_ERROR` of eager is compiled in bf16, with the reason in the returned notes.
+
+    Raises:
+        RuntimeError: a bf16 package differs from its eager block by more than `MAX_REL_ERROR`.
+        Exception: whatever export or compile raised, for a path with no fallback left.
+    """
+    packages, fp8_notes = {}, []
+    for name, (block, kwargs, contract, reference) in classes.items():
+        package = None
+        if fp8.value == "on":
+            try:
+                quantized = copy.deepcopy(block)
+                counts = quantize_block_(quantized, fp8_config(options.fp8_granularity))
+                package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=True)
+                note = f"{name}: {counts[0]} linear layers in FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
+                if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
+                    note += f" > {FP8_MAX_REL_ERROR:.0e}: kept in bf16"
+                    package = None
+            except Exception as exc:
+                if options.fp8 != "auto":
+                    raise
+                note = f"{name}: FP8 failed its trial ({_brief(exc)}): kept in bf16"
+                log.warning("%s", note)
+            finally:
+                quantized = None
+            fp8_notes.append(note)
+        if package is None:
+            package = _compile_class(name, block, kwargs, contract, attention, reference, fp8=False)
+            if not package.rel_error <= MAX_REL_ERROR:
+                raise RuntimeError(
+                    f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
+                    f"above {MAX_REL_ERROR:.0e}"
+                )
+        packages[name] = package
+    return packages, fp8_notes
+
+
+def _brief(exc: Exception, limit: int = 300) -> str:
+    """`Type: message` on one line, cut to `limit` characters (Inductor errors run to pages)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _compile_class(
@@ -297,28 +342,26 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     With `options.load`, verified packages from that folder or Hub repo are used; when they do not
     match, the reason is logged and the blocks are compiled (or, with `options.strict`, it raises).
     With `options.save` (and `options.push`) the packages in use, compiled or loaded, are saved
-    (and published).
+    (and published). Loading or compiling is one GPU call (`_load_or_compile`); the rest runs here.
 
     Raises:
         RuntimeError: strict loading failed, pushing to the Hub without a token, or an explicitly
             requested fast path cannot run (checked before any compile).
         ValueError: see `compile_blocks` and `apply_`.
     """
+    global _pipeline
     options = options or Options()
     if options.push:
         check_push_target(options.push)  # before minutes of compiling, not after
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
     if isinstance(pipe.transformer.__dict__.get("forward"), GraphedStep):
         del pipe.transformer.forward  # its graphs replay the blocks being replaced
-    compiled = None
-    if options.load:
-        compiled, reason = load_packages(options.load, pipe, options)
-        if compiled is None:
-            if options.strict:
-                raise RuntimeError(f"packages from {options.load} cannot be used: {reason}")
-            log.warning("packages from %s not used: %s; compiling", options.load, reason)
-    if compiled is None:
-        compiled = compile_blocks(pipe, options)
+    wait_for_cpu_isa_probe()  # no thread may be mid-work when the GPU call forks (ZeroGPU)
+    _pipeline = pipe
+    try:
+        compiled = zerogpu.gpu(_load_or_compile, duration=zerogpu.STARTUP_SECONDS, size=options.gpu_size)(options)
+    finally:
+        _pipeline = None
     report = apply_(pipe, compiled)
     if graphs.value == "on":
         graph_step_(pipe.transformer, strict=options.cuda_graphs == "on")
@@ -328,6 +371,27 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
         if options.push:
             log.info("pushed packages to %s", push_packages(options.save, options.push))
     return report
+
+
+# The pipeline `_load_or_compile` works on. On ZeroGPU it reaches the GPU worker through fork, as
+# module state: arguments are pickled, and a pipeline's emulated CUDA tensors cannot be.
+_pipeline: Any = None
+
+
+def _load_or_compile(options: Options) -> Compiled:
+    """(On the GPU.) Verified packages from `options.load`, else `compile_blocks(_pipeline)`.
+
+    Raises:
+        RuntimeError: `options.strict` and the saved packages cannot be used; see `compile_blocks`.
+    """
+    if options.load:
+        compiled, reason = load_packages(options.load, _pipeline, options)
+        if compiled is not None:
+            return compiled
+        if options.strict:
+            raise RuntimeError(f"packages from {options.load} cannot be used: {reason}")
+        log.warning("packages from %s not used: %s; compiling", options.load, reason)
+    return compile_blocks(_pipeline, options)
 
 
 def load_pipeline(options: Options) -> Any:

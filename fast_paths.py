@@ -2,12 +2,16 @@
 each resolved to a `Decision`.
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
-that cannot run raises with what is missing. Nothing here runs at import: capability probes and
-kernel loads happen inside `compile.compile_blocks` (the GPU worker on ZeroGPU).
+that cannot run raises with what is missing. Off Hopper (an RTX Pro 6000 Blackwell on ZeroGPU, an
+A100, an L40S) attention is torch's SDPA, which picks its fastest kernel for the GPU at hand.
+Nothing here runs at import: capability probes and kernel loads happen inside
+`compile.compile_blocks` and at a compiled block's first call, in the GPU worker on ZeroGPU
+(zerogpu.py says what runs where).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +63,8 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     head_dim = transformer.config.attention_head_dim
     problem = _cuda_problem(device, (9, 0), "FA3")
     if problem is None and torch.cuda.get_device_capability(device)[0] != 9:
-        problem = "FA3 is built for Hopper (compute capability 9.x)"
+        have = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        problem = f"FA3 is built for Hopper (compute capability 9.x); {torch.cuda.get_device_name(device)} has {have}"
     if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
         problem = f"FA3 supports bfloat16/float16, the transformer is {transformer.dtype}"
     if problem is None and (head_dim > 256 or head_dim % 8):
@@ -110,6 +115,7 @@ def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:
     return Decision(name, "off", f"auto: {problem}")
 
 
+@functools.cache
 def load_fa3(source: str) -> Any:
     """Load FlashAttention-3 and hand it to diffusers' `_flash_3` attention backend.
 
@@ -118,6 +124,8 @@ def load_fa3(source: str) -> Any:
     (e.g. `fa3_fwd_interface` from the PyPI wheel `fa3-fwd`). The backend calls it through the
     registered custom op `_diffusers_flash_attn_3::_flash_attn_forward`, which has a fake
     implementation, so a block exports as one graph and the package calls that op at run time.
+
+    Loads once per process (a failed load is tried again at the next call).
 
     Raises:
         ImportError, OSError, RuntimeError: the kernel cannot be found or loaded.

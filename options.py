@@ -80,6 +80,15 @@ class Options:
             choices=("auto", "on", "off"),
         ),
     )
+    gpu_size: str = field(
+        default="large",
+        metadata=_option(
+            "AOT_GPU_SIZE",
+            "ZeroGPU card size for the startup compile and each request (@spaces.GPU(size=...)): large = half an"
+            " RTX Pro 6000 Blackwell (48 GB), xlarge = the whole card (96 GB, twice the quota); ignored off ZeroGPU",
+            choices=("large", "xlarge"),
+        ),
+    )
     min_side: int = field(default=MIN_SIDE, metadata=_option("AOT_MIN_SIDE", "smallest image side in pixels", type=int))
     max_side: int = field(default=MAX_SIDE, metadata=_option("AOT_MAX_SIDE", "largest image side in pixels", type=int))
     load: str | None = field(

@@ -1,5 +1,14 @@
-"""Shared fixtures: the bundled tiny FLUX pipeline, compiled once per test session (about 20 s on 2 cores)."""
+"""Shared fixtures: the bundled tiny FLUX pipeline, compiled once per test session (about 20 s on 2 cores),
+and a way to start the Space as a server."""
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -9,7 +18,9 @@ from blocks import apply_
 from compile import compile_blocks, load_pipeline
 from options import Options
 
-TINY = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-flux")
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "assets" / "tiny-flux")
+STARTUP_TIMEOUT_S = 240
 # float32 on CPU: compiled blocks match eager ones to ~1e-7 relative (measured 4e-7 on the final
 # images); 1e-5 leaves room for other CPUs' vector widths, and still fails for any real mistake.
 TOLERANCE = 1e-5
@@ -54,3 +65,71 @@ def compiled_pipe(compiled):
     pipe = load_tiny()
     apply_(pipe, compiled)
     return pipe
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A Space started by `command` in its own process group; `url` once it serves, `log` its output."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path):
+        self.port, self.log = free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(self.port), **env}
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, *command],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_until_serving(self) -> "Server":
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while "Running on local URL" not in self.text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{self.log.name}: the app did not start:\n{self.text()[-3000:]}")
+            time.sleep(0.5)
+        return self
+
+    def wait_until_exit(self) -> int:
+        try:
+            return self.process.wait(timeout=STARTUP_TIMEOUT_S)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """End the whole process group: the app and, on ZeroGPU, its workers and the harness."""
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:  # the group is gone already
+            return
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+class ZeroGPUSpace(Server):
+    """app.py in ZeroGPU mode under `zerogpu_harness.py` (`--cpu`: the worker computes on the CPU);
+    `device(path)` calls the harness's device API."""
+
+    def __init__(self, env: dict[str, str], log: Path, *harness_flags: str):
+        self.api = f"http://127.0.0.1:{free_port()}"
+        flags = ["--port", self.api.rsplit(":", 1)[1], *harness_flags]
+        super().__init__(["zerogpu_harness.py", *flags, "app.py"], env, log)
+
+    def device(self, path: str, method: str = "GET") -> dict:
+        with urllib.request.urlopen(urllib.request.Request(self.api + path, method=method), timeout=30) as answer:
+            return json.loads(answer.read() or b"{}")

@@ -3,16 +3,13 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import ROOT, TINY, Server
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from PIL import Image
@@ -20,34 +17,13 @@ from PIL import Image
 from compile import load_pipeline
 from options import Options
 
-ROOT = Path(__file__).resolve().parents[1]
-STARTUP_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`python app.py` serving the tiny pipeline on 127.0.0.1; yields its URL."""
-    port = free_port()
-    env = {**os.environ, "MODEL_ID": TINY, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
-    log = tmp_path_factory.mktemp("app") / "app.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while "Running on local URL" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"app.py did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    app = Server(["app.py"], {"MODEL_ID": TINY}, tmp_path_factory.mktemp("app") / "app.log")
+    yield app.wait_until_serving().url
+    app.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ The tiny pipeline's text encoders and VAE, with a transformer whose blocks have 
 
 import os
 
+import numpy as np
 import pytest
 import torch
-from conftest import TINY, generate
+from conftest import TINY, ZeroGPUSpace, generate
 
 from bench import TRANSFORMER
 from blocks import apply_, rel_error
@@ -95,3 +96,44 @@ def test_cuda_graph_replays_match_plain_steps():
     for size, actual in zip(sizes, replayed, strict=True):
         error = rel_error(actual, generate(pipe, *size, steps=3).float())
         assert error < 1e-3, f"{size}: graph replay vs plain step {error:.2e}"
+
+
+def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_path):
+    """The whole ZeroGPU flow on the GPU, nothing stood in: the real spaces package in ZeroGPU
+    mode, zerogpu_harness.py's device API, FLUX.1-dev-width blocks, every fast path `auto`."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+    from PIL import Image
+
+    folder = tmp_path / "wide-flux"
+    wide_pipeline().save_pretrained(folder)
+    torch.cuda.empty_cache()
+    env = {"MODEL_ID": str(folder), "AOT_FA3_KERNEL": FA3_KERNEL}
+    app = ZeroGPUSpace(env, tmp_path / "app.log")
+    try:
+        app.wait_until_serving()
+        log = app.text()
+        assert "GPU granted for 1500 s, worker new" in log
+        assert "attention: fa3, fp8: on, cuda_graphs: on" in log, log[-3000:]
+
+        def request(seed=5, steps=4):
+            path, _ = Client(app.url, verbose=False).predict(
+                "a red fox", seed, False, 1024, 768, steps, 3.5, api_name="/generate"
+            )
+            return np.asarray(Image.open(path)).astype(float)
+
+        images = [request() for _ in range(3)]
+        assert app.device("/status")["allow"] == 2, "startup worker + one worker for three requests"
+        app.device("/reclaim", "POST")
+        images.append(request())  # a new worker: weights moved, blocks bound, graph captured again
+        assert app.device("/status")["allow"] == 3
+        app.device("/abort-next?after=0.1", "POST")  # 0.1 s into the next call: mid-request
+        with pytest.raises(AppError, match="GPU task aborted"):
+            request(steps=50)
+        images.append(request())
+        assert images[0].std() > 1, "a flat image"
+        for image in images[1:]:
+            assert np.abs(image - images[0]).max() <= 2, "the same request gave another image"
+        assert "CUDA graphs off" not in app.text() and "Traceback" not in app.text(), app.text()[-3000:]
+    finally:
+        app.stop()

@@ -1,0 +1,145 @@
+"""The Space in ZeroGPU mode on CPU: the real `spaces` package, our device-API stand-in, real forks.
+
+`zerogpu_harness.py --cpu` runs app.py with `SPACES_ZERO_GPU=true`: the main process sees emulated
+CUDA, every `@spaces.GPU` call is scheduled by the stand-in and runs in a forked worker, arguments
+and results are pickled, the weights are packed to disk at launch. The one stand-in (a CPU has no
+driver for spaces' worker start) is `zerogpu_harness.use_cpu_worker`: the worker computes on the CPU.
+"""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, TINY, ZeroGPUSpace
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from PIL import Image
+
+from blocks import OWNER_MARK, load_runner, remove_stale_extractions
+from packages import save_packages
+
+# float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
+# so the worker's images can be compared with an eager float32 pipeline here.
+ZEROGPU_ENV = {"MODEL_ID": TINY, "AOT_DTYPE": "float32"}
+
+
+def cpu_space(env: dict[str, str], log, *harness_flags: str) -> ZeroGPUSpace:
+    return ZeroGPUSpace({**ZEROGPU_ENV, **env}, log, "--cpu", *harness_flags)
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    app = cpu_space({}, tmp_path_factory.mktemp("zerogpu") / "app.log")
+    yield app.wait_until_serving()
+    app.stop()
+
+
+def request(url: str, seed=7, width=512, height=768, steps=2) -> np.ndarray:
+    client = Client(url, verbose=False)
+    path, _ = client.predict("a red cat", seed, False, width, height, steps, 3.5, api_name="/generate")
+    return np.asarray(Image.open(path))
+
+
+def test_startup_compiles_in_the_worker_and_the_main_process_never_touches_cuda(space):
+    log = space.text()
+    # The compile was the startup call (1500 s), in a worker; the main process applied its packages.
+    assert "GPU granted for 1500 s, worker new" in log
+    assert "AoT compiled: 2 block classes, 4 blocks" in log
+    # spaces makes torch's CUDA init raise in the main process: had anything touched CUDA there,
+    # startup would have stopped with "Low-level CUDA init (`torch._C._cuda_init`) reached".
+    assert "_cuda_init" not in log and "Traceback" not in log
+
+
+def test_requests_reuse_one_worker_and_a_reclaimed_worker_is_replaced(space, eager_pipe):
+    started = space.device("/status")["allow"]  # each new worker calls /allow once
+    images = [request(space.url) for _ in range(3)]
+    assert space.device("/status")["allow"] == started + 1, "three requests, one worker"
+    # The worker computed what the eager pipeline computes (its weights crossed the fork intact).
+    generator = torch.Generator().manual_seed(7)
+    call = dict(height=768, width=512, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=512)
+    expected = np.asarray(eager_pipe("a red cat", generator=generator, **call).images[0]).astype(float)
+    for image in images:
+        assert image.shape == (768, 512, 3)
+        assert np.abs(image.astype(float) - expected).max() <= 1, "worker output differs from eager"
+    space.device("/reclaim", "POST")  # ZeroGPU takes the GPU back: the worker is killed
+    after = request(space.url)
+    assert space.device("/status")["allow"] == started + 2, "a new worker, with blocks bound again"
+    assert np.array_equal(after, images[0])
+
+
+def test_a_request_aborted_past_its_duration_fails_and_the_next_one_works(space):
+    space.device("/abort-next?after=1", "POST")  # as if the next call ran past its duration
+    with pytest.raises(AppError, match="GPU task aborted"):
+        request(space.url, width=1536, height=1536, steps=30)
+    assert request(space.url).shape == (768, 512, 3)
+    assert space.device("/status")["failed"] >= 1
+
+
+@pytest.fixture(scope="module")
+def saved(compiled, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zerogpu-saved") / "packages"
+    save_packages(compiled, folder)
+    return folder
+
+
+def test_saved_packages_load_in_the_worker_and_every_call_gets_a_new_one(saved, tmp_path):
+    app = cpu_space({"AOT_LOAD": str(saved), "AOT_STRICT": "1"}, tmp_path / "app.log", "--cold")
+    try:
+        app.wait_until_serving()
+        assert f"AoT loaded from {saved}" in app.text()
+        first, second = request(app.url), request(app.url)
+        assert np.array_equal(first, second)
+        assert app.device("/status")["allow"] == 3, "startup + two requests, each in a new worker (--cold)"
+    finally:
+        app.stop()
+
+
+def test_eager_switch_serves_in_zerogpu_mode(tmp_path):
+    app = cpu_space({"AOT_COMPILE": "0"}, tmp_path / "app.log")
+    try:
+        app.wait_until_serving()
+        assert request(app.url).shape == (768, 512, 3)
+        assert app.device("/status")["schedule"] == 1, "no startup call: only the request used the GPU"
+    finally:
+        app.stop()
+
+
+def test_an_error_in_the_worker_reaches_the_main_process_whole(tmp_path):
+    # spaces forwards only an exception's class name ("ZeroGPU worker error: RuntimeError");
+    # zerogpu.gpu carries the exception itself.
+    (tmp_path / "empty").mkdir()
+    app = cpu_space({"AOT_LOAD": str(tmp_path / "empty"), "AOT_STRICT": "1"}, tmp_path / "app.log")
+    assert app.wait_until_exit() != 0
+    assert "RuntimeError: packages from" in app.text()
+    assert "cannot be used: no config.sdpa-float32-512-1536.json" in app.text()
+
+
+def test_package_folders_left_by_a_killed_process_are_removed(compiled, tmp_path):
+    # The loader extracts every package into /tmp and removes it only when the runner is freed;
+    # ZeroGPU kills its workers, so the next process removes what dead ones left.
+    package = tmp_path / "package.pt2"
+    package.write_bytes(compiled.packages["FluxSingleTransformerBlock"].package)
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+from blocks import load_runner
+runner = load_runner(open({str(package)!r}, "rb").read())
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pid = int(done.stdout.split()[0])
+    left = [os.path.dirname(p) for p in glob.glob(f"/tmp/*/{OWNER_MARK}{pid}")]
+    assert left, "the killed process left its extracted package"
+    mine = load_runner(package.read_bytes())  # this process is alive: its folder must stay
+    assert glob.glob(f"/tmp/*/{OWNER_MARK}{os.getpid()}")
+    remove_stale_extractions()
+    assert not any(os.path.exists(p) for p in left)
+    assert glob.glob(f"/tmp/*/{OWNER_MARK}{os.getpid()}"), "a living process's package was removed"
+    del mine

@@ -1,0 +1,118 @@
+"""ZeroGPU: what runs where, and `gpu()`, the one way this template hands work to a GPU.
+
+On a ZeroGPU Space (`SPACES_ZERO_GPU=true`) `import spaces` emulates CUDA in the main process:
+`.to("cuda")` makes emulated tensors that alias CPU memory, and `torch.cuda` answers from a table
+in `spaces` (not from the real card). Each `@spaces.GPU` call forks a worker from the calling
+thread; the worker gets the real GPU, moves the weights onto it and runs the function. Arguments and
+results are pickled across the fork; a worker is reused while the service says it is idle, and the
+service kills workers whenever it wants the GPU back (spaces 0.51.3, `spaces/zero/wrappers.py`).
+
+What runs where, in this template:
+
+    main process (never initialises CUDA)           GPU worker
+    ---------------------------------------------   -------------------------------------------------
+    load the weights (`.to("cuda")`: emulated);     startup (`compile._load_or_compile`): decide
+    torch's CPU ISA probe, finished before the      attention and FP8 on the real card, load + verify
+    first fork (`blocks.wait_for_cpu_isa_probe`)     saved packages or capture + export + compile;
+                                                     only the packages (bytes) cross back
+    apply_: FP8-quantize the blocks' weights,
+    patch each block's forward (no package is
+    loaded here), patch the step for CUDA graphs
+    at launch, spaces packs the weights to disk     each request (`app.infer`): on a new worker, the
+                                                     first call of a block loads its package (FA3
+                                                     first) and binds its weights; the first step of
+                                                     a size captures its CUDA graph; both are redone
+                                                     by every new worker, never by a reused one
+
+Large objects (the pipeline) reach the worker through fork, as module state, never as arguments:
+pickling an emulated CUDA tensor fails, and a module pickled from a Gradio thread arrives with
+empty storage. Outside ZeroGPU `spaces.GPU` returns the function unchanged and all of it runs in one
+process.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import gradio as gr
+import spaces
+from spaces.config import Config
+
+ON_ZEROGPU: bool = Config.zero_gpu  # SPACES_ZERO_GPU=1/t/true, read by spaces at import
+# The longest a startup call may hold the GPU: the recipe's maximum for `@spaces.GPU` at import time.
+STARTUP_SECONDS = 1500
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class WorkerError(gr.Error):
+    """Carries an exception raised in the GPU worker back to the caller, whole.
+
+    spaces re-raises a `gr.Error` from the worker as it is, but any other exception only by its
+    class name ("ZeroGPU worker error: RuntimeError"). The worker wraps the exception in this, and
+    `gpu()` raises the original again in the caller. spaces still releases the GPU with
+    `fail=True`, so the service replaces that worker.
+    """
+
+    def __init__(self, error: BaseException, worker_traceback: str = ""):
+        super().__init__(f"{type(error).__name__}: {error}", print_exception=False)
+        self.error, self.worker_traceback = error, worker_traceback
+
+    def __reduce__(self):
+        return WorkerError, (self.error, self.worker_traceback)
+
+
+def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -> F:
+    """`spaces.GPU(fn, duration=duration, size=size)`, with the worker's exceptions raised whole.
+
+    Args:
+        fn: the function to run on the GPU. Its arguments and result are pickled on ZeroGPU: pass
+            options and numbers, read large objects from module state.
+        duration: seconds the call may hold the GPU, or a function of `fn`'s arguments that returns
+            them (spaces multiplies it by the card's duration factor, 1.5 on a `large` Blackwell
+            half card: `spaces/zero/configs.json`).
+        size: `large` (half an RTX Pro 6000 Blackwell, 48 GB) or `xlarge` (the whole card, 96 GB);
+            None is ZeroGPU's default, `large`.
+
+    Returns:
+        `fn` itself outside ZeroGPU; on ZeroGPU a function that schedules a worker, runs `fn` there,
+        and raises in the caller the exception `fn` raised (its type and message; the worker's
+        traceback is added as a note). `gr.Error`s pass through as spaces passes them.
+    """
+    if not ON_ZEROGPU:
+        return fn
+
+    @functools.wraps(fn)
+    def in_worker(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except Exception as exc:
+            raise WorkerError(_picklable(exc), traceback.format_exc()) from None
+
+    scheduled = spaces.GPU(in_worker, duration=duration, size=size)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return scheduled(*args, **kwargs)
+        except WorkerError as carried:
+            error = carried.error
+            error.add_note(f"raised in the ZeroGPU worker:\n{carried.worker_traceback}")
+            raise error from None
+
+    return call  # type: ignore[return-value]
+
+
+def _picklable(exc: Exception) -> Exception:
+    """`exc` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
