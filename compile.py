@@ -64,6 +64,7 @@ from blocks import (
 )
 from fast_paths import (
     FP8_MAX_REL_ERROR,
+    FP8_MIN_FEATURES,
     Decision,
     fp8_config,
     quantize_block_,
@@ -259,9 +260,13 @@ def _compile_classes(
             try:
                 quantized = copy.deepcopy(block)
                 counts = quantize_block_(quantized, fp8_config(options.fp8_granularity))
-                package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=True)
-                note = f"{name}: {counts[0]} linear layers in FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
-                if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
+                if counts[0] == 0:
+                    note = f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}: bf16"
+                else:
+                    package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=True)
+                    note = f"{name}: {counts[0]} linear layers in FP8, {counts[1]} kept"
+                    note += f", rel. error {package.rel_error:.1e}"
+                if package is not None and not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
                     note += f" > {FP8_MAX_REL_ERROR:.0e}: kept in bf16"
                     package = None
             except Exception as exc:

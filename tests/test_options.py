@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_tiny, tiny_options
+from conftest import TOLERANCE, generate, load_tiny, tiny_options
 
+from blocks import apply_, rel_error
 from compile import compile_blocks, optimize_
-from fast_paths import resolve_attention, resolve_cuda_graphs, resolve_fp8
+from fast_paths import Decision, resolve_attention, resolve_cuda_graphs, resolve_fp8
 from options import Options, Resolution
 
 
@@ -139,3 +140,33 @@ def test_explicit_request_that_cannot_run_fails_before_any_work():
     with pytest.raises(RuntimeError, match="cuda_graphs=on cannot run"):
         optimize_(pipe, tiny_options(cuda_graphs="on"))
     assert not calls, "the pipeline ran before the request was refused"
+
+
+def test_auto_fast_paths_that_fail_their_trial_fall_back_with_the_reason(monkeypatch, eager_pipe):
+    # Stand-in for a GPU whose capability checks pass but whose FA3 and FP8 kernels then fail
+    # (C12, C20, C21): the checks are told "on", and the CPU really cannot run either path (the
+    # tiny model's layers are narrower than FP8_MIN_FEATURES: lowered so that FP8 is attempted).
+    import compile
+    import fast_paths
+
+    monkeypatch.setattr(fast_paths, "FP8_MIN_FEATURES", 16)
+    monkeypatch.setattr(compile, "resolve_attention", lambda *args: Decision("attention", "fa3", "auto: checks passed"))
+    monkeypatch.setattr(compile, "resolve_fp8", lambda *args: Decision("fp8", "on", "auto"))
+    compiled = compile_blocks(load_tiny(), tiny_options())
+    attention, fp8 = compiled.decisions
+    assert attention.value == "sdpa" and attention.reason.startswith("auto: FA3 blocks failed their trial: "), attention
+    assert fp8.value == "off" and fp8.reason.count("FP8 failed its trial") == 2, fp8  # one per block class
+    assert not any(p.fp8 for p in compiled.packages.values())
+    pipe = load_tiny()
+    apply_(pipe, compiled)
+    assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
+
+
+def test_fp8_on_that_fails_its_trial_raises(monkeypatch):
+    import compile
+    import fast_paths
+
+    monkeypatch.setattr(fast_paths, "FP8_MIN_FEATURES", 16)
+    monkeypatch.setattr(compile, "resolve_fp8", lambda *args: Decision("fp8", "on", "on"))
+    with pytest.raises(AssertionError, match="Float8 dynamic quantization requires CUDA"):  # torchao's own check
+        compile_blocks(load_tiny(), tiny_options(fp8="on"))
