@@ -69,27 +69,52 @@ log.info("%s; startup took %.1f s", STATUS, time.perf_counter() - STARTED)
 
 
 # --- generation --------------------------------------------------------------------------------
+def refuse(message: str) -> gr.Error:
+    """The error for a refused request: the client sees `message`, the server log one line."""
+    log.info("refused a request: %s", message)
+    return gr.Error(message, print_exception=False)
+
+
+def named(slider: gr.Slider) -> gr.Slider:
+    """`slider`, whose range errors name it: gradio's own say only "Value 4096 is greater than
+    maximum value 1536.", and print a traceback in the server log for each refused request.
+
+    (An instance attribute: a subclass of a gradio component makes gradio write a `.pyi` beside us.)
+    """
+    check = slider.preprocess
+
+    def preprocess(payload: float) -> float:
+        try:
+            return check(payload)
+        except gr.Error as exc:
+            raise refuse(f"{slider.label}: {exc.message}") from None
+
+    slider.preprocess = preprocess
+    return slider
+
+
 def check_request(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float) -> None:
     """Raise `gr.Error` saying what is allowed, before any GPU work.
 
-    Gradio's sliders already refuse values outside their range; this also covers sizes that are
-    not multiples of 16, fractional values, and direct calls of `generate`.
+    Gradio's sliders already refuse values outside their range (`named`); this also covers sizes
+    that are not multiples of 16, fractional values, prompts with nothing to read, and direct calls
+    of `generate`.
     """
-    if not prompt or not prompt.strip():
-        raise gr.Error("Enter a prompt.")
+    if not any(ch.isprintable() and not ch.isspace() for ch in prompt or ""):
+        raise refuse("Enter a prompt (it has no visible character).")
     for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed)):
         if value != int(value):
-            raise gr.Error(f"{name}={value}: use a whole number.")
+            raise refuse(f"{name}={value}: use a whole number.")
     try:
         RESOLUTION.check(int(height), int(width))
     except ValueError as exc:
-        raise gr.Error(str(exc)) from None
+        raise refuse(str(exc)) from None
     if not 1 <= steps <= MAX_STEPS:
-        raise gr.Error(f"steps={steps}: use a whole number from 1 to {MAX_STEPS}.")
+        raise refuse(f"steps={steps}: use a whole number from 1 to {MAX_STEPS}.")
     if not 0.0 <= guidance <= MAX_GUIDANCE:
-        raise gr.Error(f"guidance={guidance}: use a value from 0 to {MAX_GUIDANCE}.")
+        raise refuse(f"guidance={guidance}: use a value from 0 to {MAX_GUIDANCE}.")
     if not 0 <= seed <= MAX_SEED:
-        raise gr.Error(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
+        raise refuse(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
 
 
 def gpu_seconds(prompt, seed, width, height, steps, guidance) -> int:
@@ -127,13 +152,19 @@ def generate(
     guidance_scale: float,
     progress=gr.Progress(track_tqdm=True),  # noqa: B008 (gradio injects it)
 ):
-    """Generate one image; returns (PIL image, seed used). Invalid input raises `gr.Error`."""
+    """Generate one image; returns (PIL image, seed used, notes). Invalid input raises `gr.Error`.
+
+    notes is "" or says what the request did not get as asked (a prompt cut to the text length the
+    blocks are compiled for), so that API clients learn it too, not only the UI's toast.
+    """
     check_request(prompt, seed, width, height, num_inference_steps, guidance_scale)
+    notes = ""
     if len(pipe.tokenizer_2(prompt).input_ids) > TEXT_TOKENS:
-        gr.Warning(f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored.")
+        notes = f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored."
+        gr.Warning(notes)
     seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
     image = infer(prompt, seed, int(width), int(height), int(num_inference_steps), float(guidance_scale))
-    return image, seed
+    return image, seed, notes
 
 
 # --- UI ---------------------------------------------------------------------------------------
@@ -143,21 +174,24 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
         prompt = gr.Textbox(label="Prompt", placeholder="Describe the image", scale=4, max_lines=4)
         run = gr.Button("Generate", variant="primary", scale=1)
     result = gr.Image(label="Result", format="png")
+    notes = gr.Markdown()
     with gr.Accordion("Advanced", open=False):
-        seed = gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed")
+        seed = named(gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed"))
         randomize_seed = gr.Checkbox(value=True, label="Randomize seed")
         with gr.Row():
             lo, hi, step = RESOLUTION.min_side, RESOLUTION.max_side, RESOLUTION.step
-            width = gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Width")
-            height = gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Height")
-        steps = gr.Slider(1, MAX_STEPS, value=DEFAULT_STEPS, step=1, label="Steps")
-        guidance = gr.Slider(0.0, MAX_GUIDANCE, value=DEFAULT_GUIDANCE, step=0.1, label="Guidance", visible=GUIDED)
+            width = named(gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Width"))
+            height = named(gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Height"))
+        steps = named(gr.Slider(1, MAX_STEPS, value=DEFAULT_STEPS, step=1, label="Steps"))
+        guidance = named(
+            gr.Slider(0.0, MAX_GUIDANCE, value=DEFAULT_GUIDANCE, step=0.1, label="Guidance", visible=GUIDED)
+        )
     gr.Examples(EXAMPLES, inputs=[prompt])
     gr.on(
         triggers=[run.click, prompt.submit],
         fn=generate,
         inputs=[prompt, seed, randomize_seed, width, height, steps, guidance],
-        outputs=[result, seed],
+        outputs=[result, seed, notes],
         api_name="generate",
     )
 demo.queue(default_concurrency_limit=1)

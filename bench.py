@@ -378,7 +378,7 @@ def warm_start(args) -> dict:
     times = []
     for seed, prompt in enumerate(PROMPTS):
         start = time.perf_counter()
-        image, _ = app.generate(prompt, seed, False, args.size, args.size, args.steps, 3.5)
+        image, _, _ = app.generate(prompt, seed, False, args.size, args.size, args.steps, 3.5)
         sync()
         times.append(time.perf_counter() - start)
     row["s_per_image"] = statistics.median(times)

@@ -68,6 +68,7 @@ from fast_paths import (
     Decision,
     fp8_config,
     quantize_block_,
+    refuse_impossible_requests,
     resolve_attention,
     resolve_cuda_graphs,
     resolve_fp8,
@@ -402,18 +403,21 @@ def _load_or_compile(options: Options) -> Compiled:
 def load_pipeline(options: Options) -> Any:
     """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`.
 
-    Beside the weights it starts the CPU ISA probe a compile needs (`probe_cpu_isa_in_background`),
-    unless nothing is compiled (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does
-    not need it; if they are then refused, the compile waits for the probe: 35-48 s on the H200
-    host with torch 2.11).
+    Everything that can be checked without the weights is checked first, in seconds: explicit fast
+    paths this machine cannot run, a push target without a token, the side range against the
+    model's pixel step (read from its VAE config), a Hub that cannot be reached, a model too large
+    for a machine without CUDA. Beside the weights it starts the CPU ISA probe a compile needs
+    (`probe_cpu_isa_in_background`), unless nothing is compiled (`--no-compile`) or packages are to
+    be loaded (`AOT_LOAD`, which does not need it; if they are then refused, the compile waits for
+    the probe: 35-48 s on the H200 host with torch 2.11).
 
     Raises:
-        RuntimeError: the model cannot be fetched, or it is too large to run without CUDA.
+        RuntimeError: the model cannot be fetched, it is too large to run without CUDA, or an
+            explicit option cannot work here.
+        ValueError: the side range does not fit the model's pixel step.
     """
-    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 
-    if options.compile and not options.load:
-        probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
     cuda = torch.cuda.is_available()
     if options.device.startswith("cuda") and not cuda:
         raise RuntimeError(
@@ -422,13 +426,11 @@ def load_pipeline(options: Options) -> Any:
         )
     device = torch.device(options.device if options.device != "auto" else "cuda" if cuda else "cpu")
     dtype = getattr(torch, options.dtype) if options.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
-    try:
-        config = FluxTransformer2DModel.load_config(options.model, subfolder="transformer")
-    except OSError as exc:
-        raise RuntimeError(
-            f"cannot load {options.model!r} ({exc}). Offline, or without access to a gated Hub repo, "
-            "run the bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
-        ) from exc
+    if options.compile:
+        refuse_impossible_requests(options, device)
+    if options.push:
+        check_push_target(options.push)
+    config = _model_config(FluxTransformer2DModel, options.model, "transformer")
     if device.type == "cpu":
         with torch.device("meta"):
             params = sum(p.numel() for p in FluxTransformer2DModel.from_config(config).parameters())
@@ -438,7 +440,43 @@ def load_pipeline(options: Options) -> Any:
                 "bfloat16): it needs a CUDA GPU with room for it and the text encoders. Without one, run the "
                 "bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
             )
+    vae = _model_config(AutoencoderKL, options.model, "vae")
+    options.resolution(vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1))  # as FluxPipeline computes it
+    if options.compile and not options.load:
+        probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
     return FluxPipeline.from_pretrained(options.model, dtype=dtype).to(device)
+
+
+def _model_config(cls: Any, model: str, subfolder: str) -> dict[str, Any]:
+    """`cls.load_config(model, subfolder=...)` from a folder, the local Hub cache, or the Hub.
+
+    huggingface_hub retries an unreachable Hub for about 30 s before it fails with "does not
+    appear to have a file named config.json"; one request with a 5 s timeout tells first.
+
+    Raises:
+        RuntimeError: the config cannot be read, saying why (no such folder, Hub unreachable,
+            no access to a gated repo).
+    """
+    import httpx
+    from huggingface_hub import constants
+
+    advice = "Offline, or without access to a gated Hub repo, run the bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
+    if not os.path.isdir(model):
+        try:
+            return cls.load_config(model, subfolder=subfolder, local_files_only=True)
+        except OSError:
+            pass  # not in the cache: ask the Hub
+        try:
+            httpx.head(constants.ENDPOINT, timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(
+                f"cannot load {model!r}: it is not a folder, not in the local Hub cache, and the Hub "
+                f"({constants.ENDPOINT}) cannot be reached ({type(exc).__name__}: {exc}). {advice}"
+            ) from None
+    try:
+        return cls.load_config(model, subfolder=subfolder)
+    except OSError as exc:
+        raise RuntimeError(f"cannot load {model!r} ({exc}). {advice}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:

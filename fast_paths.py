@@ -49,6 +49,39 @@ def _cuda_problem(device: torch.device, min_capability: tuple[int, int], what: s
     return None
 
 
+def _hopper_problem(device: torch.device) -> str | None:
+    """Why FA3 cannot run on this CUDA device (FA3 is a Hopper kernel), or None."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] == 9:
+        return None
+    have = ".".join(map(str, capability))
+    return f"FA3 is built for Hopper (compute capability 9.x); {torch.cuda.get_device_name(device)} has {have}"
+
+
+def refuse_impossible_requests(options: Options, device: torch.device) -> None:
+    """Raise now, before any weight is loaded, for an explicit fast path this machine cannot run.
+
+    Checks what needs no model: `attention=fa3` (a Hopper GPU), `fp8=on` (compute capability
+    >= 8.9), `cuda_graphs=on` (CUDA). A ZeroGPU main process has emulated CUDA whose capability is
+    a table in `spaces`, not the card: there only the device type is checked, and the GPU worker
+    decides the rest (`resolve_attention`, `resolve_fp8`).
+
+    Raises:
+        RuntimeError: the message the full decision would give later.
+    """
+    from zerogpu import ON_ZEROGPU
+
+    emulated = device.type == "cuda" and ON_ZEROGPU
+    if options.attention == "fa3" and not emulated:
+        problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
+        if problem:
+            raise RuntimeError(f"attention=fa3 cannot run: {problem}. Use --attention auto or sdpa.")
+    if options.fp8 == "on" and not emulated:
+        resolve_fp8(options, device)
+    if options.cuda_graphs == "on":
+        resolve_cuda_graphs(options, device)
+
+
 def resolve_attention(options: Options, transformer: torch.nn.Module, device: torch.device) -> Decision:
     """Decide the attention kernel compiled into the blocks; loads FA3 to prove it can run.
 
@@ -61,10 +94,7 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     if options.attention == "sdpa":
         return Decision("attention", "sdpa", "requested")
     head_dim = transformer.config.attention_head_dim
-    problem = _cuda_problem(device, (9, 0), "FA3")
-    if problem is None and torch.cuda.get_device_capability(device)[0] != 9:
-        have = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        problem = f"FA3 is built for Hopper (compute capability 9.x); {torch.cuda.get_device_name(device)} has {have}"
+    problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
     if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
         problem = f"FA3 supports bfloat16/float16, the transformer is {transformer.dtype}"
     if problem is None and (head_dim > 256 or head_dim % 8):

@@ -17,6 +17,10 @@ from typing import Any
 # FLUX: VAE downsampling 8 x 2x2 latent packing) between these bounds, any aspect ratio in between.
 # Image tokens = (height / 16) * (width / 16): 512x512 -> 1024 tokens, 1536x1536 -> 9216.
 MIN_SIDE, MAX_SIDE = 512, 1536
+# The widest side range a compile may cover. FLUX.1 generates up to about 2 megapixels (its model
+# cards); 2048 px a side (4.2 MP square, 16384 image tokens) leaves room for wide formats and stops
+# ranges the model was never trained for, whose compile and memory only grow.
+LARGEST_SIDE = 2048
 
 
 def _option(env: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -157,8 +161,10 @@ class Options:
         (FLUX packs 2x2 latents; `pipe.vae_scale_factor` is 8 for FLUX.1 VAEs).
 
         Raises:
-            ValueError: the bounds are not multiples of the step, or min > max.
+            ValueError: the bounds are not multiples of the step, min > max, or max > `LARGEST_SIDE`.
         """
+        if self.max_side > LARGEST_SIDE:
+            raise ValueError(f"max_side={self.max_side}: at most {LARGEST_SIDE} px (about 4 megapixels square)")
         return Resolution(self.min_side, self.max_side, step=2 * vae_scale_factor)
 
     def __post_init__(self) -> None:

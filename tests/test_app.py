@@ -19,11 +19,21 @@ from options import Options
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python app.py` serving the tiny pipeline on 127.0.0.1; yields its URL."""
+def running(tmp_path_factory):
+    """`python app.py` serving the tiny pipeline on 127.0.0.1."""
     app = Server(["app.py"], {"MODEL_ID": TINY}, tmp_path_factory.mktemp("app") / "app.log")
-    yield app.wait_until_serving().url
+    yield app.wait_until_serving()
     app.stop()
+
+
+@pytest.fixture(scope="module")
+def server(running):
+    return running.url
+
+
+@pytest.fixture(scope="module")
+def server_log(running):
+    return running.log
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +42,24 @@ def client(server):
 
 
 def generate(client, prompt="a red cat", seed=7, randomize=False, width=512, height=768, steps=2, guidance=3.5):
-    path, seed = client.predict(prompt, seed, randomize, width, height, steps, guidance, api_name="/generate")
-    return np.asarray(Image.open(path)), seed
+    path, seed, notes = client.predict(
+        prompt, seed, randomize, width, height, steps, guidance, api_name="/generate"
+    )
+    return np.asarray(Image.open(path)), seed, notes
 
 
 def test_image_of_the_requested_size_comes_back_with_its_seed(client):
-    image, seed = generate(client, width=768, height=512, seed=11)
-    assert image.shape == (512, 768, 3) and seed == 11
+    image, seed, notes = generate(client, width=768, height=512, seed=11)
+    assert image.shape == (512, 768, 3) and seed == 11 and notes == ""
 
 
 def test_same_seed_same_image_and_random_seed_is_reported(client):
-    first, _ = generate(client, seed=3)
-    second, _ = generate(client, seed=3)
-    other, _ = generate(client, seed=4)
+    first, _, _ = generate(client, seed=3)
+    second, _, _ = generate(client, seed=3)
+    other, _, _ = generate(client, seed=4)
     assert np.array_equal(first, second)
     assert not np.array_equal(first, other)
-    _, seed = generate(client, seed=3, randomize=True)
+    _, seed, _ = generate(client, seed=3, randomize=True)
     assert 0 <= seed < 2**31 and isinstance(seed, int)
 
 
@@ -55,24 +67,36 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
     ("change", "message"),
     [
         ({"prompt": "   "}, "Enter a prompt"),
+        ({"prompt": "\x00\x00\x00"}, r"Enter a prompt \(it has no visible character\)"),
         ({"width": 520}, r"width=520 is not allowed: use sides 512\.\.1536 px in steps of 16"),
         ({"width": 512.5}, r"width=512\.5: use a whole number"),
-        ({"height": 2048}, "2048 is greater than maximum value 1536"),
-        ({"steps": 0}, "0 is less than minimum value 1"),
-        ({"guidance": 11.0}, "greater than maximum value 10"),
-        ({"seed": -1}, "less than minimum value 0"),
+        ({"height": 2048}, "Height: Value 2048 is greater than maximum value 1536"),
+        ({"steps": 0}, "Steps: Value 0 is less than minimum value 1"),
+        ({"guidance": 11.0}, "Guidance: Value 11.0 is greater than maximum value 10"),
+        ({"seed": -1}, "Seed: Value -1 is less than minimum value 0"),
     ],
 )
 def test_invalid_request_is_refused_and_the_next_one_works(client, change, message):
     with pytest.raises(AppError, match=message):
         generate(client, **change)
-    image, _ = generate(client)
+    image, _, _ = generate(client)
     assert image.shape == (768, 512, 3)
+
+
+def test_refused_requests_log_one_line_each_and_no_traceback(client, server_log):
+    before = server_log.read_text()
+    for change in ({"height": 4096}, {"prompt": " "}):
+        with pytest.raises(AppError):
+            generate(client, **change)
+    added = server_log.read_text()[len(before) :]
+    assert added.count("refused a request: ") == 2, added
+    assert "Traceback" not in added, added
 
 
 def test_prompt_longer_than_the_text_encoder_still_generates(client):
-    image, _ = generate(client, prompt="a very long prompt " * 40)  # > 512 T5 tokens (one per character)
+    image, _, notes = generate(client, prompt="a very long prompt " * 40)  # > 512 T5 tokens (one per character)
     assert image.shape == (768, 512, 3)
+    assert notes == "The prompt is longer than 512 T5 tokens; the rest was ignored."  # API clients are told too
 
 
 def test_two_simultaneous_requests_both_complete(client, server):

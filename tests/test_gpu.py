@@ -117,7 +117,7 @@ def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_p
         assert "attention: fa3, fp8: on, cuda_graphs: on" in log, log[-3000:]
 
         def request(seed=5, steps=4):
-            path, _ = Client(app.url, verbose=False).predict(
+            path, _, _ = Client(app.url, verbose=False).predict(
                 "a red fox", seed, False, 1024, 768, steps, 3.5, api_name="/generate"
             )
             return np.asarray(Image.open(path)).astype(float)

@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import TOLERANCE, generate, load_tiny, tiny_options
 
 from blocks import apply_, rel_error
-from compile import compile_blocks, optimize_
+from compile import compile_blocks, load_pipeline, optimize_
 from fast_paths import Decision, resolve_attention, resolve_cuda_graphs, resolve_fp8
 from options import Options, Resolution
 
@@ -170,3 +171,39 @@ def test_fp8_on_that_fails_its_trial_raises(monkeypatch):
     monkeypatch.setattr(compile, "resolve_fp8", lambda *args: Decision("fp8", "on", "on"))
     with pytest.raises(AssertionError, match="Float8 dynamic quantization requires CUDA"):  # torchao's own check
         compile_blocks(load_tiny(), tiny_options(fp8="on"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"min_side": 500}, ValueError, "both ends must be multiples of 16"),
+        ({"min_side": 1024, "max_side": 512}, ValueError, "0 < min <= max"),
+        ({"max_side": 20000}, ValueError, "max_side=20000: at most 2048 px"),
+        ({"attention": "fa3"}, RuntimeError, "attention=fa3 cannot run: FA3 needs a CUDA GPU"),
+        ({"fp8": "on"}, RuntimeError, "fp8=on cannot run: FP8 needs a CUDA GPU"),
+        ({"cuda_graphs": "on"}, RuntimeError, "cuda_graphs=on cannot run"),
+        ({"save": "p", "push": "someone/blocks"}, RuntimeError, "pushing to the Hub needs a token"),
+    ],
+)
+def test_options_that_cannot_work_are_refused_before_any_weight_loads(changes, error, message, monkeypatch, tmp_path):
+    from diffusers import FluxPipeline
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("weights were loaded before the options were checked")
+
+    monkeypatch.setattr(FluxPipeline, "from_pretrained", tripwire)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored token either
+    with pytest.raises(error, match=message):
+        load_pipeline(tiny_options(**changes))
+
+
+def test_a_hub_model_offline_fails_fast_saying_the_hub_cannot_be_reached(monkeypatch, tmp_path):
+    # CI has no route to the Hub, as this machine: huggingface_hub alone retried for 34 s here
+    # before saying "does not appear to have a file named config.json".
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    start = time.monotonic()
+    message = r"not in the local Hub cache, and the Hub \(https://huggingface.co\) cannot be reached"
+    with pytest.raises(RuntimeError, match=message):
+        load_pipeline(Options(model="black-forest-labs/FLUX.1-dev", device="cpu"))
+    assert time.monotonic() - start < 15

@@ -41,7 +41,7 @@ def space(tmp_path_factory):
 
 def request(url: str, seed=7, width=512, height=768, steps=2) -> np.ndarray:
     client = Client(url, verbose=False)
-    path, _ = client.predict("a red cat", seed, False, width, height, steps, 3.5, api_name="/generate")
+    path, _, _ = client.predict("a red cat", seed, False, width, height, steps, 3.5, api_name="/generate")
     return np.asarray(Image.open(path))
 
 
