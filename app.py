@@ -17,8 +17,8 @@ import gradio as gr
 import spaces  # noqa: F401  (before torch: on ZeroGPU it patches torch before anything can touch CUDA)
 import torch
 
+import replicas
 import zerogpu
-from compile import load_pipeline, optimize_
 from options import Options
 
 # --- configuration ---------------------------------------------------------------------------
@@ -52,7 +52,10 @@ logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 log = logging.getLogger("app")
 
 # --- startup: load, compile, apply --------------------------------------------------------------
-pipe = load_pipeline(OPTIONS)
+# One replica per GPU (AOT_DEVICES; one on ZeroGPU): each loads the weights, the first of each GPU
+# model binds saved packages (AOT_LOAD) or compiles on the GPU, the others bind the same packages.
+REPLICAS = replicas.start(OPTIONS)
+pipe = REPLICAS.pipes[0]  # the model's facts below are the same for every replica
 RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
 # Guidance-distilled transformers (FLUX.1-dev) take an embedded guidance scale; timestep-distilled
 # ones (FLUX.1-schnell, no guidance embedding) ignore it and need few steps.
@@ -60,9 +63,9 @@ GUIDED = bool(pipe.transformer.config.guidance_embeds)
 DEFAULT_STEPS, DEFAULT_GUIDANCE = (28, 3.5) if GUIDED else (4, 0.0)
 TEXT_TOKENS = 512  # T5 sequence length the blocks are compiled for (FluxPipeline's max_sequence_length)
 if OPTIONS.compile:
-    REPORT = optimize_(pipe, OPTIONS)  # binds saved packages (AOT_LOAD) or compiles on the GPU
+    REPORT = REPLICAS.reports[0]
     log.info("compiled blocks:\n%s", REPORT)
-    STATUS = REPORT.summary()
+    STATUS = REPORT.summary() + (f"; {len(REPLICAS)} replicas" if len(REPLICAS) > 1 else "")
 else:
     STATUS = "eager pipeline (compile switched off: AOT_COMPILE=0 / --no-compile)"
 log.info("%s; startup took %.1f s", STATUS, time.perf_counter() - STARTED)
@@ -117,7 +120,7 @@ def check_request(prompt: str, seed: int, width: int, height: int, steps: int, g
         raise refuse(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
 
 
-def gpu_seconds(prompt, seed, width, height, steps, guidance) -> int:
+def gpu_seconds(replica, prompt, seed, width, height, steps, guidance) -> int:
     """ZeroGPU duration for one request, in seconds: a new worker's setup + the steps, the per-step
     time scaled by image tokens; at most `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
     tokens = RESOLUTION.tokens(int(height), int(width))
@@ -125,8 +128,10 @@ def gpu_seconds(prompt, seed, width, height, steps, guidance) -> int:
     return min(MAX_GPU_SECONDS, math.ceil(NEW_WORKER_SECONDS + steps_s))
 
 
-def infer(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float):
-    """(On the GPU.) One image as a PIL image. `pipe` reaches a ZeroGPU worker through fork."""
+def infer(replica: int, prompt: str, seed: int, width: int, height: int, steps: int, guidance: float):
+    """(On the GPU.) One image as a PIL image, from replica number `replica`. The pipelines reach a
+    ZeroGPU worker through fork (`REPLICAS`), never as arguments."""
+    pipe = REPLICAS.pipes[replica]
     generator = torch.Generator(device=pipe.device).manual_seed(seed)
     return pipe(
         prompt=prompt,
@@ -163,7 +168,18 @@ def generate(
         notes = f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored."
         gr.Warning(notes)
     seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
-    image = infer(prompt, seed, int(width), int(height), int(num_inference_steps), float(guidance_scale))
+    with REPLICAS.take() as replica:
+        start = time.perf_counter()
+        log.info("replica %d started a request", replica)
+        image = infer(replica, prompt, seed, int(width), int(height), int(num_inference_steps), float(guidance_scale))
+        log.info(
+            "replica %d served %sx%s, %s steps in %.1f s",
+            replica,
+            width,
+            height,
+            num_inference_steps,
+            time.perf_counter() - start,
+        )
     return image, seed, notes
 
 
@@ -194,7 +210,7 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
         outputs=[result, seed, notes],
         api_name="generate",
     )
-demo.queue(default_concurrency_limit=1)
+demo.queue(default_concurrency_limit=len(REPLICAS))  # one request per replica at a time
 
 if __name__ == "__main__":
     demo.launch(show_error=True)  # API clients get each error's message, not a generic one

@@ -352,11 +352,11 @@ def warm_start(args) -> dict:
     import gradio  # noqa: F401  (library imports are not part of the warm start)
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    import compile
+    import replicas
 
     packages = str(Path(args.work) / "packages")
     pipe = build(args, load=packages)
-    compile.load_pipeline = lambda options: pipe  # app.py's own loader would download; this is the same pipeline
+    replicas.load_pipeline = lambda options: pipe  # app.py's own loader would download; this is the same pipeline
     os.environ.update(AOT_LOAD=packages, AOT_STRICT="1")
     row = {"scenario": "warm", "cold": None}
     start = time.perf_counter()
@@ -402,7 +402,7 @@ def zerogpu_start(args) -> dict:
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
 
-    import compile
+    import replicas
 
     row = {"scenario": "zerogpu", "cold": True}
     if args.model == RANDOM:
@@ -410,7 +410,7 @@ def zerogpu_start(args) -> dict:
         pipe = random_flux_dev_on_cpu().to("cuda")  # emulated CUDA tensors: the weights stay in this process
     else:
         pipe = load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model}))
-    compile.load_pipeline = lambda options: pipe  # app.py loads it no other way
+    replicas.load_pipeline = lambda options: pipe  # app.py loads it no other way
     start = time.perf_counter()
     wait_for_cpu_isa_probe()
     row["isa_probe_s"] = time.perf_counter() - start

@@ -479,7 +479,7 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
     patched = sum(isinstance(m.__dict__.get("forward"), CompiledBlock) for m in pipe.transformer.modules())
     if patched != sum(count for _, count in rows):
         raise ValueError(f"patched {patched} blocks, expected {sum(count for _, count in rows)}")
-    return Report(rows, compiled.decisions, compiled.resolution, compiled.source)
+    return Report(rows, compiled.decisions, compiled.resolution, compiled.source, compiled)
 
 
 @dataclass
@@ -490,6 +490,7 @@ class Report:
     decisions: list[Decision]
     resolution: Resolution
     source: str
+    compiled: Compiled  # what was applied: another replica on the same GPU model binds it too
 
     def summary(self) -> str:
         """One line for a UI: what is compiled and which fast paths are on."""

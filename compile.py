@@ -341,7 +341,7 @@ def _compile_class(
     )
 
 
-def optimize_(pipe: Any, options: Options | None = None) -> Report:
+def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | None = None) -> Report:
     """Regionally AoT-compile `pipe.transformer` in place, or bind saved packages that match.
 
     With `options.cuda_graphs` (`auto`: on CUDA) the step then runs as CUDA graphs (graphs.py).
@@ -349,6 +349,7 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     match, the reason is logged and the blocks are compiled (or, with `options.strict`, it raises).
     With `options.save` (and `options.push`) the packages in use, compiled or loaded, are saved
     (and published). Loading or compiling is one GPU call (`_load_or_compile`); the rest runs here.
+    With `compiled` (another replica's packages, for the same GPU model) those are bound instead.
 
     Raises:
         RuntimeError: strict loading failed, pushing to the Hub without a token, or an explicitly
@@ -362,12 +363,13 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
     if isinstance(pipe.transformer.__dict__.get("forward"), GraphedStep):
         del pipe.transformer.forward  # its graphs replay the blocks being replaced
-    wait_for_cpu_isa_probe()  # no thread may be mid-work when the GPU call forks (ZeroGPU)
-    _pipeline = pipe
-    try:
-        compiled = zerogpu.gpu(_load_or_compile, duration=zerogpu.STARTUP_SECONDS, size=options.gpu_size)(options)
-    finally:
-        _pipeline = None
+    if compiled is None:
+        wait_for_cpu_isa_probe()  # no thread may be mid-work when the GPU call forks (ZeroGPU)
+        _pipeline = pipe
+        try:
+            compiled = zerogpu.gpu(_load_or_compile, duration=zerogpu.STARTUP_SECONDS, size=options.gpu_size)(options)
+        finally:
+            _pipeline = None
     report = apply_(pipe, compiled)
     if graphs.value == "on":
         graph_step_(pipe.transformer, strict=options.cuda_graphs == "on")

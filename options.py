@@ -114,6 +114,14 @@ class Options:
     device: str = field(
         default="auto", metadata=_option("AOT_DEVICE", "cuda, cuda:N, cpu, or auto (cuda when available)")
     )
+    devices: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_DEVICES",
+            "serve one replica per device: auto (every visible GPU; the one --device names, if it names one)"
+            " or a comma-separated list, e.g. cuda:0,cuda:1; ignored on ZeroGPU",
+        ),
+    )
     dtype: str = field(
         default="auto",
         metadata=_option(
@@ -174,6 +182,8 @@ class Options:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r}: allowed values are {', '.join(choices)}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if not re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", self.devices):
+            raise ValueError(f"devices={self.devices!r}: use auto or a comma-separated list of cpu, cuda, cuda:N")
         if self.push and not self.save:
             raise ValueError(f"push={self.push!r} needs save: the folder whose packages are pushed (--save DIR)")
 

@@ -1,0 +1,99 @@
+"""One replica of the pipeline per GPU: compile once per GPU model, bind the packages on every GPU.
+
+    python app.py                                  # AOT_DEVICES=auto: every visible GPU
+    AOT_DEVICES=cuda:0,cuda:2 python app.py        # these GPUs
+    AOT_DEVICES=cpu,cpu python app.py              # two CPU replicas (how the tests run it)
+
+Each replica is a pipeline on its own device, with its own weights, block runners and CUDA graphs.
+Packages are weights-less, so the first replica of each GPU model (name and compute capability)
+loads or compiles them and the others bind the same ones. Requests take a free replica
+(`Replicas.take`); Gradio's queue runs one request per replica at once. On ZeroGPU, and on a
+machine with one GPU, there is one replica and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from blocks import Compiled, Report
+from compile import load_pipeline, optimize_
+from options import Options
+
+log = logging.getLogger("replicas")
+
+
+def devices(options: Options) -> list[str]:
+    """The devices to serve from: `options.devices` as a list, or for `auto` every visible CUDA GPU
+    (`options.device` alone when it names one, on ZeroGPU, or without CUDA)."""
+    from zerogpu import ON_ZEROGPU
+
+    if options.devices != "auto":
+        return options.devices.split(",")
+    if options.device != "auto" or ON_ZEROGPU or not torch.cuda.is_available():
+        return [options.device]
+    return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+
+
+def gpu_model(device: str) -> str:
+    """What packages are specific to: the GPU's name and compute capability, or the device type."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return f"{torch.cuda.get_device_name(device)} sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+
+
+class Replicas:
+    """The pipelines, one per device, and which of them are free. `len()` is how many requests can
+    run at once."""
+
+    def __init__(self, pipes: list[Any], reports: list[Report | None]):
+        self.pipes, self.reports = pipes, reports
+        self._free: queue.Queue[int] = queue.Queue()
+        for index in range(len(pipes)):
+            self._free.put(index)
+
+    def __len__(self) -> int:
+        return len(self.pipes)
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[int]:
+        """Wait for a free replica; yields its index and frees it afterwards (also on an error)."""
+        index = self._free.get()
+        try:
+            yield index
+        finally:
+            self._free.put(index)
+
+
+def start(options: Options) -> Replicas:
+    """Load one pipeline per device and, with `options.compile`, optimize each (`compile.optimize_`):
+    the first of each GPU model loads or compiles packages, the others bind them.
+
+    Raises:
+        RuntimeError, ValueError: see `compile.load_pipeline` and `compile.optimize_`.
+    """
+    chosen = devices(options)
+    pipes, reports = [], []
+    compiled: dict[str, Compiled] = {}  # GPU model -> packages
+    for device in chosen:
+        replica = dataclasses.replace(options, device=device, devices="auto")
+        pipe = load_pipeline(replica)
+        report = None
+        if options.compile:
+            model = gpu_model(device) if len(chosen) > 1 else ""  # one replica: no CUDA query (ZeroGPU)
+            if model in compiled:  # bind the packages; they were saved and pushed once already
+                replica = dataclasses.replace(replica, save=None, push=None)
+            report = optimize_(pipe, replica, compiled=compiled.get(model))
+            compiled.setdefault(model, report.compiled)
+        pipes.append(pipe)
+        reports.append(report)
+    if len(chosen) > 1:
+        log.info("%d replicas on %s; packages for %d GPU model(s)", len(chosen), ", ".join(chosen), len(compiled))
+    return Replicas(pipes, reports)
