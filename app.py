@@ -159,15 +159,17 @@ def generate(
 ):
     """Generate one image; returns (PIL image, seed used, notes). Invalid input raises `gr.Error`.
 
-    notes is "" or says what the request did not get as asked (a prompt cut to the text length the
-    blocks are compiled for), so that API clients learn it too, not only the UI's toast.
+    notes says what was generated (size, steps, seed: the UI's sliders round a typed value to their
+    step without a word) and what the request did not get as asked (a prompt cut to the text length
+    the blocks are compiled for), so that API clients learn it too, not only the UI's toast.
     """
     check_request(prompt, seed, width, height, num_inference_steps, guidance_scale)
-    notes = ""
-    if len(pipe.tokenizer_2(prompt).input_ids) > TEXT_TOKENS:
-        notes = f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored."
-        gr.Warning(notes)
     seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
+    notes = f"{int(width)}x{int(height)} px, {int(num_inference_steps)} steps, seed {seed}."
+    if len(pipe.tokenizer_2(prompt).input_ids) > TEXT_TOKENS:
+        cut = f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored."
+        gr.Warning(cut)
+        notes += " " + cut
     with REPLICAS.take() as replica:
         start = time.perf_counter()
         log.info("replica %d started a request", replica)
@@ -191,6 +193,9 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
         run = gr.Button("Generate", variant="primary", scale=1)
     result = gr.Image(label="Result", format="png")
     notes = gr.Markdown()
+    # The seed used goes to the API and into `notes`, not back into the Seed slider: outputs of a
+    # refused request show an error badge, which on the slider read as "this seed is wrong".
+    seed_used = gr.Number(visible=False, precision=0)
     with gr.Accordion("Advanced", open=False):
         seed = named(gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed"))
         randomize_seed = gr.Checkbox(value=True, label="Randomize seed")
@@ -207,7 +212,7 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
         triggers=[run.click, prompt.submit],
         fn=generate,
         inputs=[prompt, seed, randomize_seed, width, height, steps, guidance],
-        outputs=[result, seed, notes],
+        outputs=[result, seed_used, notes],
         api_name="generate",
     )
 demo.queue(default_concurrency_limit=len(REPLICAS))  # one request per replica at a time
