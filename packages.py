@@ -24,12 +24,14 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -229,8 +231,10 @@ def _kernels(fa3_kernel: str | None) -> list[dict[str, Any]]:
 def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | None, str]:
     """Verified packages for `pipe` under `options` from a folder or Hub repo.
 
-    Returns `(compiled, "")`, or `(None, reason)` when they cannot be used here: no such variant,
-    a fingerprint field that differs, a missing, truncated or corrupt file.
+    Returns `(compiled, "")`, or `(None, reason)` with a one-line reason when they cannot be used
+    here: no such variant, a malformed config, block classes other than this model's, a fingerprint
+    field that differs, a file that is missing, truncated, corrupt or not a regular file inside the
+    folder (`_open_inside`).
 
     Raises:
         RuntimeError: a fast path explicitly requested in `options` cannot run here.
@@ -244,39 +248,161 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     try:
         folder = _fetch(source, name)
     except Exception as exc:  # network, auth, no such repo
-        return None, f"cannot read {source}: {type(exc).__name__}: {exc}"
-    config_path = folder / f"config.{name}.json"
-    if not config_path.is_file():
-        found = sorted(p.name for p in folder.glob("config.*.json")) if folder.is_dir() else []
-        return None, f"no {config_path.name} in {source} (found: {', '.join(found) or 'nothing'})"
+        return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
     try:
-        config = json.loads(config_path.read_text())
-        saved = config["fingerprint"]
-    except (ValueError, KeyError) as exc:
-        return None, f"{config_path.name} is unreadable: {exc}"
-    diff = differences(saved, here)
-    if diff:
-        return None, "fingerprint differs: " + "; ".join(diff[:3])
-    if "cpu_isa" not in saved:
-        return None, f"{config_path.name} records no cpu_isa"
-    problem = cpu_isa_problem(saved["cpu_isa"])
-    if problem:
-        return None, problem
-    packages = {}
-    for block, meta in config["blocks"].items():
-        path = folder / f"{block}.{name}" / PACKAGE
-        if not path.is_file():
-            return None, f"{path.relative_to(folder)} is missing"
-        data = path.read_bytes()
-        if len(data) != meta["bytes"]:
-            return None, f"{path.relative_to(folder)} has {len(data)} bytes, {meta['bytes']} were saved (truncated?)"
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            return None, f"{path.relative_to(folder)} does not match its SHA-256 (corrupt)"
-        packages[block] = BlockPackage.from_metadata(block, data, meta, resolution)
+        packages, config = _read_packages(folder, source, name, here, resolution)
+    except Refused as exc:
+        return None, _one_line(str(exc))
     decisions = [Decision(*d) for d in config["decisions"]]
+    saved = config["fingerprint"]
     return Compiled(
         packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {source}"
     ), ""
+
+
+class Refused(Exception):
+    """Why a saved package set is not used; its message is `load_packages`'s one-line reason."""
+
+
+def _read_packages(
+    folder: Path, source: str, name: str, here: dict[str, Any], resolution: Resolution
+) -> tuple[dict[str, BlockPackage], dict[str, Any]]:
+    """The verified packages of variant `name` in `folder`, and its config.
+
+    Raises:
+        Refused: see `load_packages`.
+    """
+    config_name = f"config.{name}.json"
+    if not (folder / config_name).is_file():
+        found = sorted(p.name for p in folder.glob("config.*.json")) if folder.is_dir() else []
+        raise Refused(f"no {config_name} in {source} (found: {', '.join(found) or 'nothing'})")
+    with _open_inside(folder, config_name) as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise Refused(f"{config_name} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:  # bad JSON or bad UTF-8
+        raise Refused(f"{config_name} is unreadable: {exc}") from None
+    _check_config(config, config_name, sorted(here["blocks"]))
+    saved = config["fingerprint"]
+    try:
+        diff = differences(saved, here)
+    except (LookupError, TypeError, AttributeError) as exc:  # a fingerprint of another shape
+        raise Refused(f"{config_name} has a malformed fingerprint: {type(exc).__name__}: {exc}") from None
+    if diff:
+        raise Refused("fingerprint differs: " + "; ".join(diff[:3]))
+    if not isinstance(saved.get("cpu_isa"), str):
+        raise Refused(f"{config_name} records no cpu_isa")
+    problem = cpu_isa_problem(saved["cpu_isa"])
+    if problem:
+        raise Refused(problem)
+    packages = {}
+    for block, meta in config["blocks"].items():
+        relative = f"{block}.{name}/{PACKAGE}"  # `block` is one of this model's class names (_check_config)
+        with _open_inside(folder, relative) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != meta["bytes"]:
+                raise Refused(f"{relative} has {size} bytes, {meta['bytes']} were saved (truncated?)")
+            data = f.read(meta["bytes"] + 1)
+        if len(data) != meta["bytes"]:
+            raise Refused(f"{relative} has {len(data)} bytes, {meta['bytes']} were saved (truncated?)")
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise Refused(f"{relative} does not match its SHA-256 (corrupt)")
+        try:
+            packages[block] = BlockPackage.from_metadata(block, data, meta, resolution)
+        except Exception as exc:  # the metadata is data from a file: any decoding error is a refusal
+            raise Refused(f"{config_name}: {block} metadata is malformed: {type(exc).__name__}: {exc}") from None
+    return packages, config
+
+
+# A config describes a few block classes: kilobytes. Anything far larger is not one of ours.
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _check_config(config: Any, config_name: str, classes: list[str]) -> None:
+    """Raise `Refused` unless `config` has the shape `save_packages` writes, for exactly `classes`.
+
+    Block names become folder names, so only this model's repeated block classes are accepted: no
+    name from the file is used as a path (`../x`, `/x`), and a missing, extra or renamed class is
+    refused here, not later in `apply_` (`KeyError`). Types are checked where a wrong one would
+    fail after loading; the rest of each block's metadata is checked as it is decoded.
+    """
+    if not isinstance(config, dict):
+        raise Refused(f"{config_name} is malformed: not a JSON object")
+    blocks = config.get("blocks")
+    if not isinstance(config.get("fingerprint"), dict) or not isinstance(blocks, dict):
+        raise Refused(f"{config_name} is malformed: no fingerprint or blocks object")
+    if sorted(blocks) != classes:
+        raise Refused(
+            f"{config_name} lists block classes {sorted(blocks)!r}; this model's repeated blocks are {classes!r}"
+        )
+    for block, meta in blocks.items():
+        ok = (
+            isinstance(meta, dict)
+            and type(meta.get("bytes")) is int
+            and meta["bytes"] >= 0
+            and isinstance(meta.get("sha256"), str)
+            and re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]) is not None
+            and isinstance(meta.get("fp8"), bool)
+        )
+        if not ok:
+            raise Refused(f"{config_name} is malformed: {block} needs bytes (int), sha256 (hex) and fp8 (bool)")
+    decisions = config.get("decisions")
+    if not isinstance(decisions, list) or not all(
+        isinstance(d, list) and len(d) == 3 and all(isinstance(x, str) for x in d) for d in decisions
+    ):
+        raise Refused(f"{config_name} is malformed: decisions must be [name, value, reason] strings")
+    if config.get("fp8_granularity") not in ("row", "tensor"):
+        raise Refused(f"{config_name} is malformed: fp8_granularity must be row or tensor")
+
+
+def _open_inside(folder: Path, relative: str) -> BinaryIO:
+    """Open the regular file `folder/relative` for reading, refusing anything else.
+
+    Refused: a missing file; a symbolic link at any level below `folder` (it can point anywhere on
+    this machine, and the loader would read, log the size of, and load what it points to); anything
+    but a regular file (a FIFO or a device can block or never end). Each level is opened relative
+    to the one above with O_NOFOLLOW, so a link swapped in after a check is not followed either.
+    `folder` itself may be a link: the user named it.
+
+    Raises:
+        Refused: see above.
+    """
+    parts = relative.split("/")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            shown = "/".join(parts[: depth + 1])
+            try:
+                mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                raise Refused(f"{shown} is missing") from None
+            if stat.S_ISLNK(mode):
+                raise Refused(f"{shown} is a symbolic link; only regular files inside the folder are read")
+            if not (stat.S_ISREG(mode) if last else stat.S_ISDIR(mode)):
+                raise Refused(f"{shown} is not a {'regular file' if last else 'folder'}")
+            flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:  # replaced since the check
+                raise Refused(f"{shown} cannot be opened: {exc.strerror}") from None
+            os.close(fd)
+            fd = child
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Refused(f"{relative} is not a regular file")
+        f, fd = os.fdopen(fd, "rb"), -1
+        return f
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """`text` on one line (names from a file may hold newlines), cut to `limit` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_hub_repo(target: str) -> bool:

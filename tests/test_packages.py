@@ -94,6 +94,20 @@ def _package(folder: Path) -> Path:
     return folder / f"FluxSingleTransformerBlock.{VARIANT}" / "package.pt2"
 
 
+def _edit_config(folder: Path, edit) -> None:
+    path = folder / f"config.{VARIANT}.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+def _rename_block(folder: Path, new: str) -> None:
+    """The single-block class's entry and folder renamed to `new` (the package stays valid)."""
+    old = "FluxSingleTransformerBlock"
+    _edit_config(folder, lambda c: c["blocks"].__setitem__(new, c["blocks"].pop(old)))
+    os.rename(folder / f"{old}.{VARIANT}", folder / f"{new}.{VARIANT}")
+
+
 def _flip_bytes(path: Path) -> None:
     data = bytearray(path.read_bytes())
     middle = slice(len(data) // 2, len(data) // 2 + 64)
@@ -117,6 +131,16 @@ BREAKAGES = {
     "corrupt package": (lambda f: _flip_bytes(_package(f)), "does not match its SHA-256"),
     "missing config": (lambda f: (f / f"config.{VARIANT}.json").unlink(), f"no config.{VARIANT}.json"),
     "unreadable config": (lambda f: (f / f"config.{VARIANT}.json").write_text("{"), "is unreadable"),
+    # Before: KeyError in apply_, no recompile.
+    "renamed block class": (
+        lambda f: _rename_block(f, "RenamedBlock"),
+        r"lists block classes \['FluxTransformerBlock', 'RenamedBlock'\]",
+    ),
+    # Before: read and accepted silently.
+    "extra block entry": (
+        lambda f: _edit_config(f, lambda c: c["blocks"].__setitem__("Extra", c["blocks"]["FluxTransformerBlock"])),
+        r"lists block classes \['Extra', 'FluxSingleTransformerBlock', 'FluxTransformerBlock'\]",
+    ),
 }
 
 
@@ -132,6 +156,129 @@ def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, kind, cap
     assert report.source == "compiled"
     assert any("not used" in r.message and re.search(reason, r.message) for r in caplog.records)
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
+
+
+def _reads_update_atime(path: Path) -> bool:
+    """Whether reading a file shows in its access time here (not on noatime mounts)."""
+    os.utime(path, (0, path.stat().st_mtime))
+    path.read_bytes()
+    return path.stat().st_atime != 0
+
+
+def _never_read(path: Path):
+    """Set `path`'s access time to 0; the returned check says whether it is still unread."""
+    control = path.with_name(path.name + ".control")
+    shutil.copyfile(path, control)
+    detects = _reads_update_atime(control)
+    os.utime(path, (0, path.stat().st_mtime))
+    return lambda: not detects or path.stat().st_atime == 0
+
+
+def _outside_copy(folder: Path, tmp_path: Path) -> Path:
+    """A valid copy of the single-block class's folder outside the package folder."""
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    return Path(shutil.copytree(_package(folder).parent, outside / _package(folder).parent.name))
+
+
+@pytest.mark.parametrize("link", ["package.pt2", "block folder", "config"])
+def test_symbolic_links_inside_the_folder_are_refused_unread(copy, tmp_path, link, caplog):
+    # The link's target is a valid copy, so anything but a refusal means it was followed.
+    target = _outside_copy(copy, tmp_path)
+    if link == "package.pt2":
+        _package(copy).unlink()
+        _package(copy).symlink_to(target / "package.pt2")
+        target, shown = target / "package.pt2", f"FluxSingleTransformerBlock.{VARIANT}/package.pt2"
+    elif link == "block folder":
+        shutil.rmtree(_package(copy).parent)
+        _package(copy).parent.symlink_to(target, target_is_directory=True)
+        target, shown = target / "package.pt2", f"FluxSingleTransformerBlock.{VARIANT}"
+    else:
+        config = copy / f"config.{VARIANT}.json"
+        target = Path(shutil.copyfile(config, tmp_path / "outside" / "config.json"))
+        config.unlink()
+        config.symlink_to(target)
+        shown = config.name
+    unread = _never_read(target)
+    with caplog.at_level(logging.DEBUG):
+        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is None
+    assert reason == f"{shown} is a symbolic link; only regular files inside the folder are read"
+    assert unread(), f"{target} was read"
+    size = str(target.stat().st_size)
+    assert not any(size in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind", ["../ name", "absolute name", "extra absolute entry", "missing entry"])
+def test_block_names_in_the_config_must_be_the_models_classes(copy, tmp_path, kind):
+    # Each name points at a valid package outside the folder: a loader using it as a path would load it.
+    outside = _outside_copy(copy, tmp_path)
+    if kind == "../ name":
+        name = os.path.relpath(outside.parent / "FluxSingleTransformerBlock", copy)  # ../outside/...
+        assert name.startswith("..")
+        _edit_config(copy, lambda c: c["blocks"].__setitem__(name, c["blocks"].pop("FluxSingleTransformerBlock")))
+    elif kind == "absolute name":
+        name = str(outside.parent / "FluxSingleTransformerBlock")
+        _edit_config(copy, lambda c: c["blocks"].__setitem__(name, c["blocks"].pop("FluxSingleTransformerBlock")))
+    elif kind == "extra absolute entry":
+        name = str(outside.parent / "FluxSingleTransformerBlock")
+        _edit_config(copy, lambda c: c["blocks"].__setitem__(name, c["blocks"]["FluxSingleTransformerBlock"]))
+    else:
+        _edit_config(copy, lambda c: c["blocks"].pop("FluxSingleTransformerBlock"))
+    unread = _never_read(outside / "package.pt2")
+    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is None
+    assert reason.startswith(f"config.{VARIANT}.json lists block classes [")
+    assert reason.endswith("this model's repeated blocks are ['FluxSingleTransformerBlock', 'FluxTransformerBlock']")
+    assert unread(), "a file outside the folder was read"
+
+
+def _set_meta(field, value):
+    return lambda c: c["blocks"]["FluxTransformerBlock"].__setitem__(field, value)
+
+
+MALFORMED = {
+    "not UTF-8": (b"\xff\xfe{}", "is unreadable"),
+    "not an object": ([], "is malformed: not a JSON object"),
+    "no blocks": (lambda c: c.pop("blocks"), "is malformed: no fingerprint or blocks object"),
+    "fingerprint a list": (lambda c: c.__setitem__("fingerprint", []), "no fingerprint or blocks object"),
+    "blocks a list": (lambda c: c.__setitem__("blocks", ["FluxTransformerBlock"]), "no fingerprint or blocks"),
+    "bytes a string": (_set_meta("bytes", "1294"), "FluxTransformerBlock needs bytes"),
+    "sha256 a number": (_set_meta("sha256", 1), "FluxTransformerBlock needs bytes"),
+    "fp8 a string": (_set_meta("fp8", "no"), "FluxTransformerBlock needs bytes"),
+    "decisions a string": (lambda c: c.__setitem__("decisions", "sdpa"), "decisions must be"),
+    "unknown fp8 granularity": (lambda c: c.__setitem__("fp8_granularity", 3), "fp8_granularity must be"),
+    "fingerprint block a number": (
+        lambda c: c["fingerprint"]["blocks"].__setitem__("FluxTransformerBlock", 3),
+        "has a malformed fingerprint: TypeError",
+    ),
+    "cpu_isa a number": (lambda c: c["fingerprint"].__setitem__("cpu_isa", 1), "records no cpu_isa"),
+    "no contract": (_set_meta("contract", None), "FluxTransformerBlock metadata is malformed: TypeError"),
+    "dtype not a dtype": (
+        lambda c: c["blocks"]["FluxTransformerBlock"]["contract"]["tensors"][0].__setitem__("dtype", "load"),
+        "FluxTransformerBlock metadata is malformed: ValueError: 'load' is not a torch dtype",
+    ),
+    "tree not a tree": (
+        lambda c: c["blocks"]["FluxTransformerBlock"]["contract"].__setitem__("tree", "[1, {}]"),
+        "FluxTransformerBlock metadata is malformed: KeyError",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_config_is_one_reason_line_never_a_traceback(copy, kind):
+    edit, reason = MALFORMED[kind]
+    path = copy / f"config.{VARIANT}.json"
+    if isinstance(edit, bytes):
+        path.write_bytes(edit)
+    elif isinstance(edit, list):
+        path.write_text(json.dumps(edit))
+    else:
+        _edit_config(copy, edit)
+    compiled, got = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is None and reason in got and "\n" not in got, got
+    with pytest.raises(RuntimeError, match=re.escape(reason)):  # strict: the same reason, raised
+        optimize_(load_tiny(), tiny_options(load=str(copy), strict=True))
 
 
 def test_packages_for_other_options_or_another_model_are_refused(saved):
