@@ -73,7 +73,7 @@ from fast_paths import (
 )
 from graphs import GraphedStep, graph_step_
 from options import Options
-from packages import check_push_target, fingerprint, load_packages, push_packages, save_packages
+from packages import check_push_target, check_save_target, fingerprint, load_packages, push_packages, save_packages
 
 log = logging.getLogger("compile")
 
@@ -345,14 +345,16 @@ def optimize_(pipe: Any, options: Options | None = None) -> Report:
     (and published). Loading or compiling is one GPU call (`_load_or_compile`); the rest runs here.
 
     Raises:
-        RuntimeError: strict loading failed, pushing to the Hub without a token, or an explicitly
-            requested fast path cannot run (checked before any compile).
+        RuntimeError: strict loading failed; before any compile: a save or push target that cannot
+            be written (a Hub repo without a token), or an explicitly requested fast path that cannot run.
         ValueError: see `compile_blocks` and `apply_`.
     """
     global _pipeline
     options = options or Options()
+    if options.save:
+        check_save_target(options.save)  # before minutes of compiling, not after
     if options.push:
-        check_push_target(options.push)  # before minutes of compiling, not after
+        check_push_target(options.push)
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
     if isinstance(pipe.transformer.__dict__.get("forward"), GraphedStep):
         del pipe.transformer.forward  # its graphs replay the blocks being replaced

@@ -19,6 +19,7 @@ build machine's include paths, in each package's sources and debug info.)
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -35,7 +36,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from blocks import BlockPackage, Compiled, dtype_name, forward_signature, repeated_blocks
+from blocks import BlockPackage, Compiled, _alive, dtype_name, forward_signature, repeated_blocks
 from fast_paths import FA3_KERNEL_VERSION, Decision, resolve_attention, resolve_fp8
 from options import Options, Resolution
 
@@ -149,7 +150,12 @@ def save_packages(compiled: Compiled, directory: str | os.PathLike) -> Path:
 
     Returns:
         The path of the variant's config file.
+
+    Raises:
+        RuntimeError: `directory` cannot be replaced (`check_save_target`); nothing was written.
+        OSError: writing failed; `directory` is as it was and nothing is left beside it.
     """
+    check_save_target(directory)
     directory = Path(directory).resolve()
     name = variant(compiled.fingerprint)
     config = {
@@ -171,47 +177,122 @@ def save_packages(compiled: Compiled, directory: str | os.PathLike) -> Path:
     return directory / f"config.{name}.json"
 
 
+def check_save_target(target: str | os.PathLike) -> None:
+    """Raise `RuntimeError` now if a save cannot replace the folder `target` (before compiling).
+
+    A save builds the new folder beside `target`, renames `target` away and the new one in, then
+    deletes the old one (`_swap`). So it is refused when `target` is a file; when the folder that
+    would hold it (or the nearest existing one, to create it in) is a file or not writable; and when
+    `target` or a folder inside it is not writable: its old copy could not be deleted, and a
+    read-only `.old-*` copy would stay behind. `os.access` answers for this process: permission bits
+    do not stop root, an immutable folder (`chattr +i`) or a read-only file system stops everyone.
+    """
+    directory = Path(target).resolve()
+    parent = directory if not directory.exists() else directory.parent
+    while not parent.exists():
+        parent = parent.parent
+    problem = None
+    if directory.exists() and not directory.is_dir():
+        problem = f"{directory} is a file, not a folder"
+    elif not parent.is_dir():
+        problem = f"{parent} is a file, not a folder"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"{parent} is not writable (the new folder is built in it)"
+    elif directory.is_dir():
+        for root, _, _ in os.walk(directory):
+            if not os.access(root, os.W_OK | os.X_OK):
+                problem = f"{root} is not writable (the old copy could not be deleted)"
+                break
+    if problem:
+        raise RuntimeError(f"cannot save packages into {target}: {problem}")
+
+
 def _swap(directory: Path, fill: Callable[[Path], None]) -> None:
     """Replace `directory` by a new version of it, so that no reader sees a half-written set.
 
     `fill(staging)` writes the new entries into a staging folder beside `directory`; entries of the
-    old folder that `fill` did not write are carried over as hard links (never written through).
-    Two renames then swap the folders. An interruption before them leaves the old folder as it
-    was; one between them leaves it as `.<name>.old-*`, which `_recover` puts back.
+    old folder that `fill` did not write are carried over as hard links (never written through;
+    a symbolic link stays a link, which the loader refuses). Two renames then swap the folders.
+    A failure leaves the old folder as it was and removes the staging folder; a failed second
+    rename puts the old folder back. A kill before the renames leaves the old folder as it was;
+    one between them leaves it as `.<name>.old-<pid>-*`, which `_tidy` puts back.
     """
-    _recover(directory)
+    _tidy(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    for stale in directory.parent.glob(f".{directory.name}.staging-*"):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-{os.getpid()}-", dir=directory.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    previous = directory.with_name(f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fill(staging)
         if directory.is_dir():
             for entry in directory.iterdir():
-                if not (staging / entry.name).exists():
-                    if entry.is_dir():
-                        shutil.copytree(entry, staging / entry.name, copy_function=os.link)
+                if not os.path.lexists(staging / entry.name):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.copytree(entry, staging / entry.name, symlinks=True, copy_function=os.link)
                     else:
-                        os.link(entry, staging / entry.name)
-        previous = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
+                        os.link(entry, staging / entry.name, follow_symlinks=False)
         if directory.exists():
             os.rename(directory, previous)
-        os.rename(staging, directory)
-        shutil.rmtree(previous, ignore_errors=True)
+        try:
+            os.rename(staging, directory)
+        except BaseException:
+            if previous.exists():
+                os.rename(previous, directory)
+            raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         raise
+    _remove(previous)
 
 
-def _recover(directory: Path) -> None:
-    """Put back the previous set if a save stopped between its two renames."""
-    olds = sorted(directory.parent.glob(f".{directory.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if olds and not directory.exists():
-        os.rename(olds[-1], directory)
-        log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
+def _tidy(directory: Path) -> None:
+    """Repair and clean what interrupted saves left beside `directory`; run before each load and save.
+
+    A save names its folders `.<name>.staging-<pid>-*` and `.<name>.old-<pid>-*`; only those of
+    processes no longer running are touched (names without a pid come from older versions and
+    count as dead), so a save under way elsewhere keeps its own. If `directory` is missing, the
+    newest old copy is renamed back (a save stopped between its two renames); the other leftovers
+    are deleted, read-only ones included. Failures are logged, not raised: a load from a read-only
+    place still works.
+    """
+
+    def left(kind: str) -> list[Path]:
+        prefix = f".{directory.name}.{kind}-"
+        found = [p for p in directory.parent.glob(glob.escape(prefix) + "*") if not _saver_alive(p.name[len(prefix) :])]
+        return sorted(found, key=lambda p: p.lstat().st_mtime)
+
+    try:
+        olds = [p for p in left("old") if p.is_dir() and not p.is_symlink()]
+        if olds and not os.path.lexists(directory):
+            os.rename(olds.pop(), directory)
+            log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
+        for leftover in left("old") + left("staging"):
+            _remove(leftover)
+            log.info("removed %s, left by an interrupted save", leftover)
+    except OSError as exc:
+        log.warning("cannot tidy up what interrupted saves left beside %s: %s", directory, exc)
+
+
+def _saver_alive(suffix: str) -> bool:
+    """Whether the process named in a leftover's suffix (`<pid>-<random>`) is still running."""
+    pid = re.match(r"(\d+)-", suffix)
+    return pid is not None and _alive(int(pid.group(1)))
+
+
+def _remove(path: Path) -> None:
+    """Delete `path`, a leftover of ours: read-only folders are made writable first; a link or a
+    file is unlinked, never followed. A failure is logged (the folder stays; nothing depends on it)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+            return
+        for root, _, _ in os.walk(path):  # top-down: each folder is writable before its entries go
+            os.chmod(root, 0o700)
+        shutil.rmtree(path)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -406,13 +487,24 @@ def _one_line(text: str, limit: int = 600) -> str:
 
 
 def _is_hub_repo(target: str) -> bool:
-    """`owner/name` that is not an existing path; `./x`, `/x`, `x` and `x/y/z` are folders."""
-    return not Path(target).exists() and not target.startswith((".", "/")) and target.count("/") == 1
+    """Whether `target` names a Hub repo rather than a local folder.
+
+    Local: a path starting with `.` or `/`, a path that exists, or one with a save's leftover
+    beside it (`rel/.pk.old-*` or `rel/.pk.staging-*` for `rel/pk`: a save stopped between its
+    two renames). Otherwise `owner/name` is a Hub repo; anything else (`x`, `x/y/z`) is a folder.
+    """
+    if target.startswith((".", "/")) or os.path.lexists(target) or target.count("/") != 1:
+        return False
+    leftovers = glob.escape(os.path.join(os.path.dirname(target), "." + os.path.basename(target)))
+    return not glob.glob(leftovers + ".old-*") + glob.glob(leftovers + ".staging-*")
 
 
 def check_push_target(target: str) -> None:
-    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token."""
-    if _is_hub_repo(target):
+    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token, a
+    local folder must be replaceable (`check_save_target`)."""
+    if not _is_hub_repo(target):
+        check_save_target(target)
+    else:
         from huggingface_hub import get_token
 
         if get_token() is None:
@@ -425,7 +517,7 @@ def check_push_target(target: str) -> None:
 def _fetch(source: str, name: str) -> Path:
     """A local folder as is; otherwise the variant's files of a Hub repo (cached by huggingface_hub)."""
     if not _is_hub_repo(source):
-        _recover(Path(source).resolve())
+        _tidy(Path(source).resolve())
         return Path(source)
     from huggingface_hub import snapshot_download
 

@@ -1,5 +1,6 @@
 """Saved packages (CPU, tiny pipeline): save, load in a fresh process, every kind of stale or broken set."""
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,6 +21,7 @@ from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+import packages
 from blocks import rel_error
 from compile import optimize_
 from packages import load_packages, push_packages, save_packages
@@ -135,11 +137,6 @@ BREAKAGES = {
     "renamed block class": (
         lambda f: _rename_block(f, "RenamedBlock"),
         r"lists block classes \['FluxTransformerBlock', 'RenamedBlock'\]",
-    ),
-    # Before: read and accepted silently.
-    "extra block entry": (
-        lambda f: _edit_config(f, lambda c: c["blocks"].__setitem__("Extra", c["blocks"]["FluxTransformerBlock"])),
-        r"lists block classes \['Extra', 'FluxSingleTransformerBlock', 'FluxTransformerBlock'\]",
     ),
 }
 
@@ -319,6 +316,157 @@ def test_save_stopped_between_its_two_renames_is_recovered(copy):
     compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
     assert compiled is not None, reason
     assert copy.is_dir() and not old.exists()
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _beside(folder: Path) -> list[str]:
+    """What a save left beside `folder` (`.packages.staging-*`, `.packages.old-*`)."""
+    return sorted(p.name for p in folder.parent.glob(f".{folder.name}.*"))
+
+
+@contextlib.contextmanager
+def _immutable(path: Path):
+    """`chattr +i path` for the block (root cannot write into it either); skips where unsupported."""
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("kind", ["folder is a file", "parent is a file", "immutable folder", "immutable parent"])
+def test_a_save_target_that_cannot_be_written_is_refused_before_compiling(copy, tmp_path, kind):
+    target, expected = copy, None
+    if kind == "folder is a file":
+        target = tmp_path / "file"
+        target.write_text("not a folder")
+        expected = f"{target} is a file, not a folder"
+    elif kind == "parent is a file":
+        (tmp_path / "file").write_text("not a folder")
+        target = tmp_path / "file" / "sub" / "packages"
+        expected = f"{tmp_path / 'file'} is a file, not a folder"
+    pipe = load_tiny()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    before = _files(copy)
+    locked = copy if kind == "immutable folder" else copy.parent if kind == "immutable parent" else None
+    with _immutable(locked) if locked else contextlib.nullcontext():
+        with pytest.raises(RuntimeError, match=f"cannot save packages into {re.escape(str(target))}: ") as raised:
+            optimize_(pipe, tiny_options(save=str(target)))
+    assert not calls, "the pipeline ran before the save target was checked"
+    if expected:
+        assert str(raised.value).endswith(expected)
+    else:
+        assert str(raised.value).endswith(
+            f"{locked} is not writable "
+            + (
+                "(the old copy could not be deleted)"
+                if kind == "immutable folder"
+                else "(the new folder is built in it)"
+            )
+        )
+    assert _files(copy) == before and _beside(copy) == []
+
+
+def test_a_read_only_folder_is_refused_without_leftovers(saved, compiled, copy, tmp_path):
+    # Before: the save "succeeded", replaced the read-only folder and left a read-only .old-* copy.
+    # Permission bits do not stop root: as root the save runs without CAP_DAC_OVERRIDE (setpriv).
+    for folder in [copy, *[p for p in copy.rglob("*") if p.is_dir()]]:
+        folder.chmod(0o555)
+    pickled = tmp_path / "compiled.pkl"
+    pickled.write_bytes(pickle.dumps(compiled))
+    script = f"""
+import pickle, sys
+sys.path.insert(0, {str(ROOT)!r})
+import packages
+try:
+    packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
+except RuntimeError as exc:
+    print(exc)
+"""
+    command = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: permission bits cannot be tested")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    before = _files(copy)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        f"cannot save packages into {copy}: {copy} is not writable (the old copy could not be deleted)" in done.stdout
+    )
+    assert _files(copy) == before and _beside(copy) == []
+    assert (copy.stat().st_mode & 0o777) == 0o555
+
+
+def test_a_failed_swap_leaves_the_folder_as_it_was(copy, compiled, monkeypatch):
+    before = _files(copy)
+    # The second rename fails (another process recreated the folder, a full disk...): the old folder is put back.
+    rename = os.rename
+
+    def failing_rename(src, dst):
+        if ".staging-" in str(src):
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError, match="No space left"):
+        save_packages(
+            dataclasses.replace(compiled, fingerprint={**compiled.fingerprint, "sizes": [512, 1024, 16]}), copy
+        )
+    monkeypatch.undo()
+    assert _files(copy) == before and _beside(copy) == []
+    # The first rename fails for real: an immutable folder, with the check before it skipped.
+    with _immutable(copy):
+        with pytest.raises(PermissionError):
+            packages._swap(copy, lambda staging: (staging / "new").write_text("x"))
+    assert _files(copy) == before and _beside(copy) == []
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_leftovers_of_dead_saves_are_cleaned_on_load_and_a_live_save_keeps_its_own(copy, tmp_path):
+    dead = _dead_pid()
+    staging = copy.with_name(f".packages.staging-{dead}-k2j4")
+    (staging / "sub").mkdir(parents=True)
+    (staging / "sub" / "file").write_text("half written")
+    for folder in (staging / "sub", staging):
+        folder.chmod(0o555)  # read-only leftovers go too
+    old = Path(shutil.copytree(copy, copy.with_name(f".packages.old-{dead}-0123abcd")))
+    legacy = Path(shutil.copytree(copy, copy.with_name(".packages.old-89abcdef")))  # no pid: an older version's
+    outside = tmp_path / "outside-folder"
+    outside.mkdir()
+    (outside / "keep").write_text("not ours")
+    link = copy.with_name(f".packages.old-{dead}-deadbeef")
+    link.symlink_to(outside, target_is_directory=True)
+    live = copy.with_name(f".packages.staging-{os.getpid()}-live")  # a save under way in a running process
+    live.mkdir()
+    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    assert not any(os.path.lexists(p) for p in (staging, old, legacy, link))
+    assert (outside / "keep").read_text() == "not ours", "a link was followed"
+    assert _beside(copy) == [live.name]
+
+
+def test_a_relative_folder_stopped_between_the_renames_is_still_local(saved, tmp_path, monkeypatch):
+    # Before: rel/pk was missing, so `rel/pk` was taken for a Hub repo id.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
+    assert packages._is_hub_repo("rel/pk")  # nothing there: owner/name is a Hub repo
+    shutil.copytree(saved, tmp_path / "rel" / f".pk.old-{_dead_pid()}-0123abcd")
+    assert not packages._is_hub_repo("rel/pk")
+    compiled, reason = load_packages("rel/pk", load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    assert compiled.source == "loaded from rel/pk"
+    assert (tmp_path / "rel" / "pk").is_dir() and _beside(tmp_path / "rel" / "pk") == []
 
 
 def test_packages_of_another_size_range_live_beside(saved, compiled, copy):
