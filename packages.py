@@ -31,6 +31,7 @@ import stat
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -327,17 +328,17 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     here = fingerprint(transformer, resolution, attention, fp8, options)
     name = variant(here)
     try:
-        folder = _fetch(source, name)
-    except Exception as exc:  # network, auth, no such repo
+        folder, label, cache = _fetch(source, name)
+    except Exception as exc:  # network, auth, no such repo or revision
         return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
     try:
-        packages, config = _read_packages(folder, source, name, here, resolution)
+        packages, config = _read_packages(folder, source, name, here, resolution, cache)
     except Refused as exc:
         return None, _one_line(str(exc))
     decisions = [Decision(*d) for d in config["decisions"]]
     saved = config["fingerprint"]
     return Compiled(
-        packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {source}"
+        packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {label}"
     ), ""
 
 
@@ -346,9 +347,9 @@ class Refused(Exception):
 
 
 def _read_packages(
-    folder: Path, source: str, name: str, here: dict[str, Any], resolution: Resolution
+    folder: Path, source: str, name: str, here: dict[str, Any], resolution: Resolution, cache: Path | None = None
 ) -> tuple[dict[str, BlockPackage], dict[str, Any]]:
-    """The verified packages of variant `name` in `folder`, and its config.
+    """The verified packages of variant `name` in `folder`, and its config (`cache`: see `_open_inside`).
 
     Raises:
         Refused: see `load_packages`.
@@ -357,7 +358,7 @@ def _read_packages(
     if not (folder / config_name).is_file():
         found = sorted(p.name for p in folder.glob("config.*.json")) if folder.is_dir() else []
         raise Refused(f"no {config_name} in {source} (found: {', '.join(found) or 'nothing'})")
-    with _open_inside(folder, config_name) as f:
+    with _open_inside(folder, config_name, cache) as f:
         raw = f.read(MAX_CONFIG_BYTES + 1)
     if len(raw) > MAX_CONFIG_BYTES:
         raise Refused(f"{config_name} is over {MAX_CONFIG_BYTES} bytes")
@@ -381,7 +382,7 @@ def _read_packages(
     packages = {}
     for block, meta in config["blocks"].items():
         relative = f"{block}.{name}/{PACKAGE}"  # `block` is one of this model's class names (_check_config)
-        with _open_inside(folder, relative) as f:
+        with _open_inside(folder, relative, cache) as f:
             size = os.fstat(f.fileno()).st_size
             if size != meta["bytes"]:
                 raise Refused(f"{relative} has {size} bytes, {meta['bytes']} were saved (truncated?)")
@@ -438,7 +439,7 @@ def _check_config(config: Any, config_name: str, classes: list[str]) -> None:
         raise Refused(f"{config_name} is malformed: fp8_granularity must be row or tensor")
 
 
-def _open_inside(folder: Path, relative: str) -> BinaryIO:
+def _open_inside(folder: Path, relative: str, cache: Path | None = None) -> BinaryIO:
     """Open the regular file `folder/relative` for reading, refusing anything else.
 
     Refused: a missing file; a symbolic link at any level below `folder` (it can point anywhere on
@@ -446,6 +447,10 @@ def _open_inside(folder: Path, relative: str) -> BinaryIO:
     but a regular file (a FIFO or a device can block or never end). Each level is opened relative
     to the one above with O_NOFOLLOW, so a link swapped in after a check is not followed either.
     `folder` itself may be a link: the user named it.
+
+    One exception: in a Hub snapshot (`cache`: huggingface_hub's cache folder), each file is the
+    link huggingface_hub made to its blob, so a file that is a link is followed when its target,
+    fully resolved, is a regular file inside `cache`; a link leading out of it is refused.
 
     Raises:
         Refused: see above.
@@ -460,6 +465,14 @@ def _open_inside(folder: Path, relative: str) -> BinaryIO:
                 mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
             except FileNotFoundError:
                 raise Refused(f"{shown} is missing") from None
+            if stat.S_ISLNK(mode) and last and cache is not None:
+                target = Path(os.path.realpath(folder / relative))
+                if not target.is_relative_to(cache.resolve()):
+                    raise Refused(f"{shown} is a link out of the Hub cache {cache}")
+                os.close(fd)
+                fd = -1
+                fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                break
             if stat.S_ISLNK(mode):
                 raise Refused(f"{shown} is a symbolic link; only regular files inside the folder are read")
             if not (stat.S_ISREG(mode) if last else stat.S_ISDIR(mode)):
@@ -486,24 +499,51 @@ def _one_line(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_hub_repo(target: str) -> bool:
-    """Whether `target` names a Hub repo rather than a local folder.
+@dataclass(frozen=True)
+class HubRepo:
+    """A Hub repo named by `owner/name` or `owner/name@revision` (a commit, branch or tag)."""
+
+    repo_id: str
+    revision: str | None = None
+
+
+HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([\w.-][\w./-]*))?")
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_repo(target: str) -> HubRepo | None:
+    """The Hub repo `target` names, or None when it is a local folder.
 
     Local: a path starting with `.` or `/`, a path that exists, or one with a save's leftover
-    beside it (`rel/.pk.old-*` or `rel/.pk.staging-*` for `rel/pk`: a save stopped between its
-    two renames). Otherwise `owner/name` is a Hub repo; anything else (`x`, `x/y/z`) is a folder.
+    beside it (`rel/.pk.old-*` or `rel/.pk.staging-*` for `rel/pk`: a save stopped between its two
+    renames). Otherwise `owner/name` and `owner/name@revision` are Hub repos; anything else (`x`,
+    `x/y/z`) is a folder.
     """
-    if target.startswith((".", "/")) or os.path.lexists(target) or target.count("/") != 1:
-        return False
+    match = HUB_REPO.fullmatch(target)
+    if match is None or target.startswith((".", "/")) or os.path.lexists(target):
+        return None
     leftovers = glob.escape(os.path.join(os.path.dirname(target), "." + os.path.basename(target)))
-    return not glob.glob(leftovers + ".old-*") + glob.glob(leftovers + ".staging-*")
+    if glob.glob(leftovers + ".old-*") or glob.glob(leftovers + ".staging-*"):
+        return None
+    return HubRepo(match[1], match[2])
+
+
+def hub_label(repo: HubRepo, snapshot: Path) -> str:
+    """`owner/name@<commit>` for the snapshot `snapshot_download` returned: its folder is named by
+    the commit it holds, whatever branch or tag was asked for."""
+    if COMMIT.fullmatch(snapshot.name):
+        return f"{repo.repo_id}@{snapshot.name}"
+    return f"{repo.repo_id}@{repo.revision or 'main'} (commit unknown)"
 
 
 def check_push_target(target: str) -> None:
     """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token, a
     local folder must be replaceable (`check_save_target`)."""
-    if not _is_hub_repo(target):
+    repo = hub_repo(target)
+    if repo is None:
         check_save_target(target)
+    elif repo.revision is not None:
+        raise RuntimeError(f"--push {target}: push to {repo.repo_id}; a revision (@...) is for --load only")
     else:
         from huggingface_hub import get_token
 
@@ -514,29 +554,56 @@ def check_push_target(target: str) -> None:
             )
 
 
-def _fetch(source: str, name: str) -> Path:
-    """A local folder as is; otherwise the variant's files of a Hub repo (cached by huggingface_hub)."""
-    if not _is_hub_repo(source):
+def _fetch(source: str, name: str) -> tuple[Path, str, Path | None]:
+    """The folder to read, what to call it in the report, and the Hub cache its files may link into.
+
+    A local folder is read as is, after `_tidy` (interrupted saves). A Hub repo: the variant's files
+    at the revision asked for (`owner/name@revision`, else main), downloaded or cached by
+    huggingface_hub, called `owner/name@<commit>`: the commit actually loaded.
+    """
+    repo = hub_repo(source)
+    if repo is None:
         _tidy(Path(source).resolve())
-        return Path(source)
+        return Path(source), source, None
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source, allow_patterns=[f"config.{name}.json", f"*.{name}/{PACKAGE}"]))
+    patterns = [f"config.{name}.json", f"*.{name}/{PACKAGE}"]
+    snapshot = Path(snapshot_download(repo.repo_id, revision=repo.revision, allow_patterns=patterns))
+    label = hub_label(repo, snapshot)
+    if repo.revision is not None and COMMIT.fullmatch(repo.revision):
+        log.info("packages from %s: native code that runs in this process", label)
+    else:
+        log.warning(
+            "packages from %s (%s, not pinned): native code that runs in this process, from whatever was "
+            "pushed last; pin the commit you checked with --load %s",
+            label,
+            repo.revision or "main",
+            label,
+        )
+    return snapshot, label, snapshot.parents[2]  # <cache>/models--owner--name/snapshots/<commit>
 
 
 def push_packages(directory: str | os.PathLike, target: str) -> str:
     """Publish a saved folder to a Hub repo id (one commit; token from HF_TOKEN) or a local folder.
 
-    A local target is updated with `save_packages`'s atomic swap. Returns where the packages went.
+    A local target is updated with `save_packages`'s atomic swap. Returns where the packages went
+    (for the Hub, with the `owner/name@<commit>` to load them pinned).
+
+    Raises:
+        RuntimeError: see `check_push_target`.
     """
     directory = Path(directory)
-    if not _is_hub_repo(target):
+    check_push_target(target)
+    repo = hub_repo(target)
+    if repo is None:
         destination = Path(target).resolve()
         _swap(destination, lambda staging: shutil.copytree(directory, staging, dirs_exist_ok=True))
         return str(destination)
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(target, exist_ok=True)
-    api.upload_folder(repo_id=target, folder_path=str(directory), commit_message="Add AoT-compiled FLUX blocks")
-    return f"https://huggingface.co/{target}"
+    api.create_repo(repo.repo_id, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo.repo_id, folder_path=str(directory), commit_message="Add AoT-compiled FLUX blocks"
+    )
+    return f"https://huggingface.co/{repo.repo_id} (load it pinned: --load {repo.repo_id}@{commit.oid})"

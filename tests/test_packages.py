@@ -24,7 +24,7 @@ from torch._inductor.cpu_vec_isa import pick_vec_isa
 import packages
 from blocks import rel_error
 from compile import optimize_
-from packages import load_packages, push_packages, save_packages
+from packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "sdpa-float32-512-1536"  # attention sdpa, float32 weights, default sides: what the CPU compiles
@@ -460,9 +460,9 @@ def test_a_relative_folder_stopped_between_the_renames_is_still_local(saved, tmp
     # Before: rel/pk was missing, so `rel/pk` was taken for a Hub repo id.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rel").mkdir()
-    assert packages._is_hub_repo("rel/pk")  # nothing there: owner/name is a Hub repo
+    assert packages.hub_repo("rel/pk") is not None  # nothing there: owner/name is a Hub repo
     shutil.copytree(saved, tmp_path / "rel" / f".pk.old-{_dead_pid()}-0123abcd")
-    assert not packages._is_hub_repo("rel/pk")
+    assert packages.hub_repo("rel/pk") is None
     compiled, reason = load_packages("rel/pk", load_tiny(), tiny_options())
     assert compiled is not None, reason
     assert compiled.source == "loaded from rel/pk"
@@ -485,6 +485,60 @@ def test_push_to_the_hub_without_a_token_fails_before_compiling(tmp_path, monkey
     with pytest.raises(RuntimeError, match="pushing to the Hub needs a token"):
         optimize_(pipe, tiny_options(save=str(tmp_path / "p"), push="someone/flux-blocks"))
     assert not calls
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_hub_repos_and_pinned_revisions_are_told_from_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert hub_repo("owner/name") == HubRepo("owner/name", None)
+    assert hub_repo(f"owner/flux-blocks.v2@{COMMIT}") == HubRepo("owner/flux-blocks.v2", COMMIT)
+    assert hub_repo("owner/name@v1.0") == HubRepo("owner/name", "v1.0")
+    assert hub_repo("owner/name@refs/pr/3") == HubRepo("owner/name", "refs/pr/3")
+    for folder in ["./owner/name", "/srv/owner/name", "packages", "a/b/c", "owner/name@", "owner/na me", "-x/y"]:
+        assert hub_repo(folder) is None, folder
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    assert hub_repo("owner/name") is None  # an existing path is a folder
+
+
+def test_the_report_names_the_commit_loaded_from_the_hub():
+    # snapshot_download returns <cache>/models--owner--name/snapshots/<commit>, whatever revision was asked for.
+    snapshot = Path("/cache/hub/models--owner--name/snapshots") / COMMIT
+    assert hub_label(HubRepo("owner/name", "main"), snapshot) == f"owner/name@{COMMIT}"
+    assert hub_label(HubRepo("owner/name"), snapshot) == f"owner/name@{COMMIT}"
+    assert hub_label(HubRepo("owner/name", "v1"), Path("/elsewhere/v1")) == "owner/name@v1 (commit unknown)"
+
+
+def test_a_push_with_a_revision_is_refused():
+    with pytest.raises(RuntimeError, match=r"push to owner/name; a revision \(@\.\.\.\) is for --load only"):
+        packages.check_push_target("owner/name@main")
+
+
+def test_hub_cache_links_are_followed_only_inside_the_cache(tmp_path):
+    # huggingface_hub's cache layout: snapshot files link to the repo's blobs, which may link on to
+    # the cache-wide shared store. Built by hand here: no download is involved.
+    cache = tmp_path / "hub"
+    repo = cache / "models--owner--name"
+    snapshot = repo / "snapshots" / COMMIT
+    (snapshot / "Block.v").mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "e1").write_bytes(b"config")
+    (cache / "blobs" / "ab").mkdir(parents=True)
+    (cache / "blobs" / "ab" / "ab12").write_bytes(b"package")
+    (repo / "blobs" / "e2").symlink_to("../../blobs/ab/ab12")
+    (snapshot / "config.json").symlink_to("../../blobs/e1")
+    (snapshot / "Block.v" / "package.pt2").symlink_to("../../../blobs/e2")
+    (tmp_path / "secret").write_bytes(b"secret")
+    (snapshot / "out.json").symlink_to(tmp_path / "secret")
+    with packages._open_inside(snapshot, "config.json", cache) as f:
+        assert f.read() == b"config"
+    with packages._open_inside(snapshot, "Block.v/package.pt2", cache) as f:
+        assert f.read() == b"package"
+    with pytest.raises(packages.Refused, match=f"out.json is a link out of the Hub cache {cache}"):
+        packages._open_inside(snapshot, "out.json", cache)
+    with pytest.raises(packages.Refused, match="config.json is a symbolic link"):
+        packages._open_inside(snapshot, "config.json")  # a local folder: no link is followed
 
 
 def test_push_to_a_local_folder_then_load_from_it(saved, tmp_path):
