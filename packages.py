@@ -15,6 +15,10 @@ A save writes the new set beside the folder and swaps it in with two renames, so
 half-written set.
 Neither weights nor tokens are written. (AOTInductor itself embeds its build command, with the
 build machine's include paths, in each package's sources and debug info.)
+
+A package is native code that runs in this process once loaded: its SHA-256 guards against
+corruption, not against its publisher (README, Trust). Load only what you control; pin Hub repos
+as `owner/name@<commit>`.
 """
 
 from __future__ import annotations
