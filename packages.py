@@ -339,6 +339,8 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
         packages, config = _read_packages(folder, source, name, here, resolution, cache)
     except Refused as exc:
         return None, _one_line(str(exc))
+    except OSError as exc:  # an unreadable file or folder (permissions, I/O error)
+        return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
     decisions = [Decision(*d) for d in config["decisions"]]
     saved = config["fingerprint"]
     return Compiled(
