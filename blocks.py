@@ -73,7 +73,7 @@ class Contract:
     @classmethod
     def from_json(cls, block: str, data: dict[str, Any], resolution: Resolution) -> Contract:
         tensors = tuple(
-            TensorSpec(t["path"], tuple(t["shape"]), tuple(t["offsets"]), getattr(torch, t["dtype"]), t["device"])
+            TensorSpec(t["path"], tuple(t["shape"]), tuple(t["offsets"]), parse_dtype(t["dtype"]), t["device"])
             for t in data["tensors"]
         )
         return cls(block, pytree.treespec_loads(data["tree"]), tensors, tuple(data["constants"]), resolution)
@@ -218,7 +218,7 @@ class BlockPackage:
 
     @classmethod
     def from_metadata(cls, block: str, package: bytes, meta: dict[str, Any], resolution: Resolution) -> BlockPackage:
-        constants = {name: (tuple(shape), getattr(torch, dtype)) for name, (shape, dtype) in meta["constants"].items()}
+        constants = {name: (tuple(shape), parse_dtype(dtype)) for name, (shape, dtype) in meta["constants"].items()}
         contract = Contract.from_json(block, meta["contract"], resolution)
         timings = meta["export_s"], meta["compile_s"], meta["rel_error"]
         return cls(block, package, contract, constants, meta["fp8"], *timings)
@@ -226,6 +226,14 @@ class BlockPackage:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The dtype `dtype_name` wrote as `name`. Raises `ValueError` for any other name (it comes from a file)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def probe_cpu_isa_in_background() -> threading.Thread:

@@ -75,7 +75,7 @@ from fast_paths import (
 )
 from graphs import GraphedStep, graph_step_
 from options import Options
-from packages import check_push_target, fingerprint, load_packages, push_packages, save_packages
+from packages import check_push_target, check_save_target, fingerprint, load_packages, push_packages, save_packages
 
 log = logging.getLogger("compile")
 
@@ -352,14 +352,16 @@ def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | No
     With `compiled` (another replica's packages, for the same GPU model) those are bound instead.
 
     Raises:
-        RuntimeError: strict loading failed, pushing to the Hub without a token, or an explicitly
-            requested fast path cannot run (checked before any compile).
+        RuntimeError: strict loading failed; before any compile: a save or push target that cannot
+            be written (a Hub repo without a token), or an explicitly requested fast path that cannot run.
         ValueError: see `compile_blocks` and `apply_`.
     """
     global _pipeline
     options = options or Options()
+    if options.save:
+        check_save_target(options.save)  # before minutes of compiling, not after
     if options.push:
-        check_push_target(options.push)  # before minutes of compiling, not after
+        check_push_target(options.push)
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
     if isinstance(pipe.transformer.__dict__.get("forward"), GraphedStep):
         del pipe.transformer.forward  # its graphs replay the blocks being replaced
@@ -406,12 +408,12 @@ def load_pipeline(options: Options) -> Any:
     """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`.
 
     Everything that can be checked without the weights is checked first, in seconds: explicit fast
-    paths this machine cannot run, a push target without a token, the side range against the
-    model's pixel step (read from its VAE config), a Hub that cannot be reached, a model too large
-    for a machine without CUDA. Beside the weights it starts the CPU ISA probe a compile needs
-    (`probe_cpu_isa_in_background`), unless nothing is compiled (`--no-compile`) or packages are to
-    be loaded (`AOT_LOAD`, which does not need it; if they are then refused, the compile waits for
-    the probe: 35-48 s on the H200 host with torch 2.11).
+    paths this machine cannot run, a push target without a token, the side range against the model's
+    pixel step (read from its VAE config), a save folder that cannot be written, a Hub that cannot
+    be reached, a model too large for a machine without CUDA. Beside the weights it starts the CPU
+    ISA probe a compile needs (`probe_cpu_isa_in_background`), unless nothing is compiled
+    (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does not need it; if they are then
+    refused, the compile waits for the probe: 35-48 s on the H200 host with torch 2.11).
 
     Raises:
         RuntimeError: the model cannot be fetched, it is too large to run without CUDA, or an
@@ -430,6 +432,8 @@ def load_pipeline(options: Options) -> Any:
     dtype = getattr(torch, options.dtype) if options.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
     if options.compile:
         refuse_impossible_requests(options, device)
+    if options.compile and options.save:
+        check_save_target(options.save)
     if options.push:
         check_push_target(options.push)
     config = _model_config(FluxTransformer2DModel, options.model, "transformer")

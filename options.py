@@ -99,7 +99,8 @@ class Options:
         default=None,
         metadata=_option(
             "AOT_LOAD",
-            "load compiled packages from this folder or Hub repo instead of compiling; compile when they do not match",
+            "load compiled packages from this folder or Hub repo (owner/name@commit pins it) instead of compiling;"
+            " compile when they do not match",
         ),
     )
     save: str | None = field(default=None, metadata=_option("AOT_SAVE", "save the compiled packages into this folder"))

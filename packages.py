@@ -15,25 +15,33 @@ A save writes the new set beside the folder and swaps it in with two renames, so
 half-written set.
 Neither weights nor tokens are written. (AOTInductor itself embeds its build command, with the
 build machine's include paths, in each package's sources and debug info.)
+
+A package is native code that runs in this process once loaded: its SHA-256 guards against
+corruption, not against its publisher (README, Trust). Load only what you control; pin Hub repos
+as `owner/name@<commit>`.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
 import platform
+import re
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from blocks import BlockPackage, Compiled, dtype_name, forward_signature, repeated_blocks
+from blocks import BlockPackage, Compiled, _alive, dtype_name, forward_signature, repeated_blocks
 from fast_paths import FA3_KERNEL_VERSION, Decision, resolve_attention, resolve_fp8
 from options import Options, Resolution
 
@@ -147,7 +155,12 @@ def save_packages(compiled: Compiled, directory: str | os.PathLike) -> Path:
 
     Returns:
         The path of the variant's config file.
+
+    Raises:
+        RuntimeError: `directory` cannot be replaced (`check_save_target`); nothing was written.
+        OSError: writing failed; `directory` is as it was and nothing is left beside it.
     """
+    check_save_target(directory)
     directory = Path(directory).resolve()
     name = variant(compiled.fingerprint)
     config = {
@@ -169,47 +182,122 @@ def save_packages(compiled: Compiled, directory: str | os.PathLike) -> Path:
     return directory / f"config.{name}.json"
 
 
+def check_save_target(target: str | os.PathLike) -> None:
+    """Raise `RuntimeError` now if a save cannot replace the folder `target` (before compiling).
+
+    A save builds the new folder beside `target`, renames `target` away and the new one in, then
+    deletes the old one (`_swap`). So it is refused when `target` is a file; when the folder that
+    would hold it (or the nearest existing one, to create it in) is a file or not writable; and when
+    `target` or a folder inside it is not writable: its old copy could not be deleted, and a
+    read-only `.old-*` copy would stay behind. `os.access` answers for this process: permission bits
+    do not stop root, an immutable folder (`chattr +i`) or a read-only file system stops everyone.
+    """
+    directory = Path(target).resolve()
+    parent = directory if not directory.exists() else directory.parent
+    while not parent.exists():
+        parent = parent.parent
+    problem = None
+    if directory.exists() and not directory.is_dir():
+        problem = f"{directory} is a file, not a folder"
+    elif not parent.is_dir():
+        problem = f"{parent} is a file, not a folder"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"{parent} is not writable (the new folder is built in it)"
+    elif directory.is_dir():
+        for root, _, _ in os.walk(directory):
+            if not os.access(root, os.W_OK | os.X_OK):
+                problem = f"{root} is not writable (the old copy could not be deleted)"
+                break
+    if problem:
+        raise RuntimeError(f"cannot save packages into {target}: {problem}")
+
+
 def _swap(directory: Path, fill: Callable[[Path], None]) -> None:
     """Replace `directory` by a new version of it, so that no reader sees a half-written set.
 
     `fill(staging)` writes the new entries into a staging folder beside `directory`; entries of the
-    old folder that `fill` did not write are carried over as hard links (never written through).
-    Two renames then swap the folders. An interruption before them leaves the old folder as it
-    was; one between them leaves it as `.<name>.old-*`, which `_recover` puts back.
+    old folder that `fill` did not write are carried over as hard links (never written through;
+    a symbolic link stays a link, which the loader refuses). Two renames then swap the folders.
+    A failure leaves the old folder as it was and removes the staging folder; a failed second
+    rename puts the old folder back. A kill before the renames leaves the old folder as it was;
+    one between them leaves it as `.<name>.old-<pid>-*`, which `_tidy` puts back.
     """
-    _recover(directory)
+    _tidy(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    for stale in directory.parent.glob(f".{directory.name}.staging-*"):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-{os.getpid()}-", dir=directory.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    previous = directory.with_name(f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fill(staging)
         if directory.is_dir():
             for entry in directory.iterdir():
-                if not (staging / entry.name).exists():
-                    if entry.is_dir():
-                        shutil.copytree(entry, staging / entry.name, copy_function=os.link)
+                if not os.path.lexists(staging / entry.name):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.copytree(entry, staging / entry.name, symlinks=True, copy_function=os.link)
                     else:
-                        os.link(entry, staging / entry.name)
-        previous = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
+                        os.link(entry, staging / entry.name, follow_symlinks=False)
         if directory.exists():
             os.rename(directory, previous)
-        os.rename(staging, directory)
-        shutil.rmtree(previous, ignore_errors=True)
+        try:
+            os.rename(staging, directory)
+        except BaseException:
+            if previous.exists():
+                os.rename(previous, directory)
+            raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         raise
+    _remove(previous)
 
 
-def _recover(directory: Path) -> None:
-    """Put back the previous set if a save stopped between its two renames."""
-    olds = sorted(directory.parent.glob(f".{directory.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if olds and not directory.exists():
-        os.rename(olds[-1], directory)
-        log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
+def _tidy(directory: Path) -> None:
+    """Repair and clean what interrupted saves left beside `directory`; run before each load and save.
+
+    A save names its folders `.<name>.staging-<pid>-*` and `.<name>.old-<pid>-*`; only those of
+    processes no longer running are touched (names without a pid come from older versions and
+    count as dead), so a save under way elsewhere keeps its own. If `directory` is missing, the
+    newest old copy is renamed back (a save stopped between its two renames); the other leftovers
+    are deleted, read-only ones included. Failures are logged, not raised: a load from a read-only
+    place still works.
+    """
+
+    def left(kind: str) -> list[Path]:
+        prefix = f".{directory.name}.{kind}-"
+        found = [p for p in directory.parent.glob(glob.escape(prefix) + "*") if not _saver_alive(p.name[len(prefix) :])]
+        return sorted(found, key=lambda p: p.lstat().st_mtime)
+
+    try:
+        olds = [p for p in left("old") if p.is_dir() and not p.is_symlink()]
+        if olds and not os.path.lexists(directory):
+            os.rename(olds.pop(), directory)
+            log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
+        for leftover in left("old") + left("staging"):
+            _remove(leftover)
+            log.info("removed %s, left by an interrupted save", leftover)
+    except OSError as exc:
+        log.warning("cannot tidy up what interrupted saves left beside %s: %s", directory, exc)
+
+
+def _saver_alive(suffix: str) -> bool:
+    """Whether the process named in a leftover's suffix (`<pid>-<random>`) is still running."""
+    pid = re.match(r"(\d+)-", suffix)
+    return pid is not None and _alive(int(pid.group(1)))
+
+
+def _remove(path: Path) -> None:
+    """Delete `path`, a leftover of ours: read-only folders are made writable first; a link or a
+    file is unlinked, never followed. A failure is logged (the folder stays; nothing depends on it)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+            return
+        for root, _, _ in os.walk(path):  # top-down: each folder is writable before its entries go
+            os.chmod(root, 0o700)
+        shutil.rmtree(path)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -229,8 +317,10 @@ def _kernels(fa3_kernel: str | None) -> list[dict[str, Any]]:
 def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | None, str]:
     """Verified packages for `pipe` under `options` from a folder or Hub repo.
 
-    Returns `(compiled, "")`, or `(None, reason)` when they cannot be used here: no such variant,
-    a fingerprint field that differs, a missing, truncated or corrupt file.
+    Returns `(compiled, "")`, or `(None, reason)` with a one-line reason when they cannot be used
+    here: no such variant, a malformed config, block classes other than this model's, a fingerprint
+    field that differs, a file that is missing, truncated, corrupt or not a regular file inside the
+    folder (`_open_inside`).
 
     Raises:
         RuntimeError: a fast path explicitly requested in `options` cannot run here.
@@ -242,51 +332,225 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     here = fingerprint(transformer, resolution, attention, fp8, options)
     name = variant(here)
     try:
-        folder = _fetch(source, name)
-    except Exception as exc:  # network, auth, no such repo
-        return None, f"cannot read {source}: {type(exc).__name__}: {exc}"
-    config_path = folder / f"config.{name}.json"
-    if not config_path.is_file():
-        found = sorted(p.name for p in folder.glob("config.*.json")) if folder.is_dir() else []
-        return None, f"no {config_path.name} in {source} (found: {', '.join(found) or 'nothing'})"
+        folder, label, cache = _fetch(source, name)
+    except Exception as exc:  # network, auth, no such repo or revision
+        return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
     try:
-        config = json.loads(config_path.read_text())
-        saved = config["fingerprint"]
-    except (ValueError, KeyError) as exc:
-        return None, f"{config_path.name} is unreadable: {exc}"
-    diff = differences(saved, here)
-    if diff:
-        return None, "fingerprint differs: " + "; ".join(diff[:3])
-    if "cpu_isa" not in saved:
-        return None, f"{config_path.name} records no cpu_isa"
-    problem = cpu_isa_problem(saved["cpu_isa"])
-    if problem:
-        return None, problem
-    packages = {}
-    for block, meta in config["blocks"].items():
-        path = folder / f"{block}.{name}" / PACKAGE
-        if not path.is_file():
-            return None, f"{path.relative_to(folder)} is missing"
-        data = path.read_bytes()
-        if len(data) != meta["bytes"]:
-            return None, f"{path.relative_to(folder)} has {len(data)} bytes, {meta['bytes']} were saved (truncated?)"
-        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            return None, f"{path.relative_to(folder)} does not match its SHA-256 (corrupt)"
-        packages[block] = BlockPackage.from_metadata(block, data, meta, resolution)
+        packages, config = _read_packages(folder, source, name, here, resolution, cache)
+    except Refused as exc:
+        return None, _one_line(str(exc))
+    except OSError as exc:  # an unreadable file or folder (permissions, I/O error)
+        return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
     decisions = [Decision(*d) for d in config["decisions"]]
+    saved = config["fingerprint"]
     return Compiled(
-        packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {source}"
+        packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {label}"
     ), ""
 
 
-def _is_hub_repo(target: str) -> bool:
-    """`owner/name` that is not an existing path; `./x`, `/x`, `x` and `x/y/z` are folders."""
-    return not Path(target).exists() and not target.startswith((".", "/")) and target.count("/") == 1
+class Refused(Exception):
+    """Why a saved package set is not used; its message is `load_packages`'s one-line reason."""
+
+
+def _read_packages(
+    folder: Path, source: str, name: str, here: dict[str, Any], resolution: Resolution, cache: Path | None = None
+) -> tuple[dict[str, BlockPackage], dict[str, Any]]:
+    """The verified packages of variant `name` in `folder`, and its config (`cache`: see `_open_inside`).
+
+    Raises:
+        Refused: see `load_packages`.
+    """
+    config_name = f"config.{name}.json"
+    if not (folder / config_name).is_file():
+        found = sorted(p.name for p in folder.glob("config.*.json")) if folder.is_dir() else []
+        raise Refused(f"no {config_name} in {source} (found: {', '.join(found) or 'nothing'})")
+    with _open_inside(folder, config_name, cache) as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise Refused(f"{config_name} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:  # bad JSON or bad UTF-8
+        raise Refused(f"{config_name} is unreadable: {exc}") from None
+    _check_config(config, config_name, sorted(here["blocks"]))
+    saved = config["fingerprint"]
+    try:
+        diff = differences(saved, here)
+    except (LookupError, TypeError, AttributeError) as exc:  # a fingerprint of another shape
+        raise Refused(f"{config_name} has a malformed fingerprint: {type(exc).__name__}: {exc}") from None
+    if diff:
+        raise Refused("fingerprint differs: " + "; ".join(diff[:3]))
+    if not isinstance(saved.get("cpu_isa"), str):
+        raise Refused(f"{config_name} records no cpu_isa")
+    problem = cpu_isa_problem(saved["cpu_isa"])
+    if problem:
+        raise Refused(problem)
+    packages = {}
+    for block, meta in config["blocks"].items():
+        relative = f"{block}.{name}/{PACKAGE}"  # `block` is one of this model's class names (_check_config)
+        with _open_inside(folder, relative, cache) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != meta["bytes"]:
+                raise Refused(f"{relative} has {size} bytes, {meta['bytes']} were saved (truncated?)")
+            data = f.read(meta["bytes"] + 1)
+        if len(data) != meta["bytes"]:
+            raise Refused(f"{relative} has {len(data)} bytes, {meta['bytes']} were saved (truncated?)")
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise Refused(f"{relative} does not match its SHA-256 (corrupt)")
+        try:
+            packages[block] = BlockPackage.from_metadata(block, data, meta, resolution)
+        except Exception as exc:  # the metadata is data from a file: any decoding error is a refusal
+            raise Refused(f"{config_name}: {block} metadata is malformed: {type(exc).__name__}: {exc}") from None
+    return packages, config
+
+
+# A config describes a few block classes: kilobytes. Anything far larger is not one of ours.
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _check_config(config: Any, config_name: str, classes: list[str]) -> None:
+    """Raise `Refused` unless `config` has the shape `save_packages` writes, for exactly `classes`.
+
+    Block names become folder names, so only this model's repeated block classes are accepted: no
+    name from the file is used as a path (`../x`, `/x`), and a missing, extra or renamed class is
+    refused here, not later in `apply_` (`KeyError`). Types are checked where a wrong one would
+    fail after loading; the rest of each block's metadata is checked as it is decoded.
+    """
+    if not isinstance(config, dict):
+        raise Refused(f"{config_name} is malformed: not a JSON object")
+    blocks = config.get("blocks")
+    if not isinstance(config.get("fingerprint"), dict) or not isinstance(blocks, dict):
+        raise Refused(f"{config_name} is malformed: no fingerprint or blocks object")
+    if sorted(blocks) != classes:
+        raise Refused(
+            f"{config_name} lists block classes {sorted(blocks)!r}; this model's repeated blocks are {classes!r}"
+        )
+    for block, meta in blocks.items():
+        ok = (
+            isinstance(meta, dict)
+            and type(meta.get("bytes")) is int
+            and meta["bytes"] >= 0
+            and isinstance(meta.get("sha256"), str)
+            and re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]) is not None
+            and isinstance(meta.get("fp8"), bool)
+        )
+        if not ok:
+            raise Refused(f"{config_name} is malformed: {block} needs bytes (int), sha256 (hex) and fp8 (bool)")
+    decisions = config.get("decisions")
+    if not isinstance(decisions, list) or not all(
+        isinstance(d, list) and len(d) == 3 and all(isinstance(x, str) for x in d) for d in decisions
+    ):
+        raise Refused(f"{config_name} is malformed: decisions must be [name, value, reason] strings")
+    if config.get("fp8_granularity") not in ("row", "tensor"):
+        raise Refused(f"{config_name} is malformed: fp8_granularity must be row or tensor")
+
+
+def _open_inside(folder: Path, relative: str, cache: Path | None = None) -> BinaryIO:
+    """Open the regular file `folder/relative` for reading, refusing anything else.
+
+    Refused: a missing file; a symbolic link at any level below `folder` (it can point anywhere on
+    this machine, and the loader would read, log the size of, and load what it points to); anything
+    but a regular file (a FIFO or a device can block or never end). Each level is opened relative
+    to the one above with O_NOFOLLOW, so a link swapped in after a check is not followed either.
+    `folder` itself may be a link: the user named it.
+
+    One exception: in a Hub snapshot (`cache`: huggingface_hub's cache folder), each file is the
+    link huggingface_hub made to its blob, so a file that is a link is followed when its target,
+    fully resolved, is a regular file inside `cache`; a link leading out of it is refused.
+
+    Raises:
+        Refused: see above.
+    """
+    parts = relative.split("/")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            shown = "/".join(parts[: depth + 1])
+            try:
+                mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                raise Refused(f"{shown} is missing") from None
+            if stat.S_ISLNK(mode) and last and cache is not None:
+                target = Path(os.path.realpath(folder / relative))
+                if not target.is_relative_to(cache.resolve()):
+                    raise Refused(f"{shown} is a link out of the Hub cache {cache}")
+                os.close(fd)
+                fd = -1
+                fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                break
+            if stat.S_ISLNK(mode):
+                raise Refused(f"{shown} is a symbolic link; only regular files inside the folder are read")
+            if not (stat.S_ISREG(mode) if last else stat.S_ISDIR(mode)):
+                raise Refused(f"{shown} is not a {'regular file' if last else 'folder'}")
+            flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:  # replaced since the check
+                raise Refused(f"{shown} cannot be opened: {exc.strerror}") from None
+            os.close(fd)
+            fd = child
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Refused(f"{relative} is not a regular file")
+        f, fd = os.fdopen(fd, "rb"), -1
+        return f
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """`text` on one line (names from a file may hold newlines), cut to `limit` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    """A Hub repo named by `owner/name` or `owner/name@revision` (a commit, branch or tag)."""
+
+    repo_id: str
+    revision: str | None = None
+
+
+HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([\w.-][\w./-]*))?")
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_repo(target: str) -> HubRepo | None:
+    """The Hub repo `target` names, or None when it is a local folder.
+
+    Local: a path starting with `.` or `/`, a path that exists, or one with a save's leftover
+    beside it (`rel/.pk.old-*` or `rel/.pk.staging-*` for `rel/pk`: a save stopped between its two
+    renames). Otherwise `owner/name` and `owner/name@revision` are Hub repos; anything else (`x`,
+    `x/y/z`) is a folder.
+    """
+    match = HUB_REPO.fullmatch(target)
+    if match is None or target.startswith((".", "/")) or os.path.lexists(target):
+        return None
+    leftovers = glob.escape(os.path.join(os.path.dirname(target), "." + os.path.basename(target)))
+    if glob.glob(leftovers + ".old-*") or glob.glob(leftovers + ".staging-*"):
+        return None
+    return HubRepo(match[1], match[2])
+
+
+def hub_label(repo: HubRepo, snapshot: Path) -> str:
+    """`owner/name@<commit>` for the snapshot `snapshot_download` returned: its folder is named by
+    the commit it holds, whatever branch or tag was asked for."""
+    if COMMIT.fullmatch(snapshot.name):
+        return f"{repo.repo_id}@{snapshot.name}"
+    return f"{repo.repo_id}@{repo.revision or 'main'} (commit unknown)"
 
 
 def check_push_target(target: str) -> None:
-    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token."""
-    if _is_hub_repo(target):
+    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token, a
+    local folder must be replaceable (`check_save_target`)."""
+    repo = hub_repo(target)
+    if repo is None:
+        check_save_target(target)
+    elif repo.revision is not None:
+        raise RuntimeError(f"--push {target}: push to {repo.repo_id}; a revision (@...) is for --load only")
+    else:
         from huggingface_hub import get_token
 
         if get_token() is None:
@@ -296,29 +560,56 @@ def check_push_target(target: str) -> None:
             )
 
 
-def _fetch(source: str, name: str) -> Path:
-    """A local folder as is; otherwise the variant's files of a Hub repo (cached by huggingface_hub)."""
-    if not _is_hub_repo(source):
-        _recover(Path(source).resolve())
-        return Path(source)
+def _fetch(source: str, name: str) -> tuple[Path, str, Path | None]:
+    """The folder to read, what to call it in the report, and the Hub cache its files may link into.
+
+    A local folder is read as is, after `_tidy` (interrupted saves). A Hub repo: the variant's files
+    at the revision asked for (`owner/name@revision`, else main), downloaded or cached by
+    huggingface_hub, called `owner/name@<commit>`: the commit actually loaded.
+    """
+    repo = hub_repo(source)
+    if repo is None:
+        _tidy(Path(source).resolve())
+        return Path(source), source, None
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source, allow_patterns=[f"config.{name}.json", f"*.{name}/{PACKAGE}"]))
+    patterns = [f"config.{name}.json", f"*.{name}/{PACKAGE}"]
+    snapshot = Path(snapshot_download(repo.repo_id, revision=repo.revision, allow_patterns=patterns))
+    label = hub_label(repo, snapshot)
+    if repo.revision is not None and COMMIT.fullmatch(repo.revision):
+        log.info("packages from %s: native code that runs in this process", label)
+    else:
+        log.warning(
+            "packages from %s (%s, not pinned): native code that runs in this process, from whatever was "
+            "pushed last; pin the commit you checked with --load %s",
+            label,
+            repo.revision or "main",
+            label,
+        )
+    return snapshot, label, snapshot.parents[2]  # <cache>/models--owner--name/snapshots/<commit>
 
 
 def push_packages(directory: str | os.PathLike, target: str) -> str:
     """Publish a saved folder to a Hub repo id (one commit; token from HF_TOKEN) or a local folder.
 
-    A local target is updated with `save_packages`'s atomic swap. Returns where the packages went.
+    A local target is updated with `save_packages`'s atomic swap. Returns where the packages went
+    (for the Hub, with the `owner/name@<commit>` to load them pinned).
+
+    Raises:
+        RuntimeError: see `check_push_target`.
     """
     directory = Path(directory)
-    if not _is_hub_repo(target):
+    check_push_target(target)
+    repo = hub_repo(target)
+    if repo is None:
         destination = Path(target).resolve()
         _swap(destination, lambda staging: shutil.copytree(directory, staging, dirs_exist_ok=True))
         return str(destination)
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(target, exist_ok=True)
-    api.upload_folder(repo_id=target, folder_path=str(directory), commit_message="Add AoT-compiled FLUX blocks")
-    return f"https://huggingface.co/{target}"
+    api.create_repo(repo.repo_id, exist_ok=True)
+    commit = api.upload_folder(
+        repo_id=repo.repo_id, folder_path=str(directory), commit_message="Add AoT-compiled FLUX blocks"
+    )
+    return f"https://huggingface.co/{repo.repo_id} (load it pinned: --load {repo.repo_id}@{commit.oid})"

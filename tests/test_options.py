@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOLERANCE, generate, load_tiny, tiny_options
+from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
 
 from blocks import apply_, rel_error
 from compile import compile_blocks, load_pipeline, optimize_
@@ -183,6 +183,7 @@ def test_fp8_on_that_fails_its_trial_raises(monkeypatch):
         ({"fp8": "on"}, RuntimeError, "fp8=on cannot run: FP8 needs a CUDA GPU"),
         ({"cuda_graphs": "on"}, RuntimeError, "cuda_graphs=on cannot run"),
         ({"save": "p", "push": "someone/blocks"}, RuntimeError, "pushing to the Hub needs a token"),
+        ({"save": str(ROOT / "README.md" / "packages")}, RuntimeError, "README.md is a file, not a folder"),
     ],
 )
 def test_options_that_cannot_work_are_refused_before_any_weight_loads(changes, error, message, monkeypatch, tmp_path):
