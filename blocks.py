@@ -335,13 +335,14 @@ def remove_stale_extractions() -> list[Path]:
     removed = []
     for mark in EXTRACT_ROOT.glob(f"*/{OWNER_MARK}*"):
         pid = mark.name.removeprefix(OWNER_MARK)
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(mark.parent, ignore_errors=True)
             removed.append(mark.parent)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this machine's process namespace)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

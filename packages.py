@@ -41,7 +41,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from blocks import BlockPackage, Compiled, _alive, dtype_name, forward_signature, repeated_blocks
+from blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
 from fast_paths import FA3_KERNEL_VERSION, Decision, resolve_attention, resolve_fp8
 from options import Options, Resolution
 
@@ -283,7 +283,7 @@ def _tidy(directory: Path) -> None:
 def _saver_alive(suffix: str) -> bool:
     """Whether the process named in a leftover's suffix (`<pid>-<random>`) is still running."""
     pid = re.match(r"(\d+)-", suffix)
-    return pid is not None and _alive(int(pid.group(1)))
+    return pid is not None and process_alive(int(pid.group(1)))
 
 
 def _remove(path: Path) -> None:
