@@ -67,6 +67,7 @@ from fast_paths import (
     FP8_MIN_FEATURES,
     Decision,
     fp8_config,
+    one_line,
     quantize_block_,
     refuse_impossible_requests,
     resolve_attention,
@@ -289,10 +290,9 @@ def _compile_classes(
     return packages, fp8_notes
 
 
-def _brief(exc: Exception, limit: int = 300) -> str:
-    """`Type: message` on one line, cut to `limit` characters (Inductor errors run to pages)."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _brief(exc: Exception) -> str:
+    """`Type: message` on one line, at most 300 characters."""
+    return one_line(f"{type(exc).__name__}: {exc}", 300)
 
 
 def _compile_class(

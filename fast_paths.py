@@ -39,6 +39,13 @@ class Decision:
         return f"{self.name}: {self.value} ({self.reason})"
 
 
+def one_line(text: str, limit: int) -> str:
+    """`text` on one line, cut to `limit` characters: a reason from an exception or a file (Inductor
+    errors run to pages; names from a file may hold newlines)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _cuda_problem(device: torch.device, min_capability: tuple[int, int], what: str) -> str | None:
     if device.type != "cuda":
         return f"{what} needs a CUDA GPU; the pipeline is on {device.type}"

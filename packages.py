@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 import torch
 
 from blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
-from fast_paths import FA3_KERNEL_VERSION, Decision, resolve_attention, resolve_fp8
+from fast_paths import FA3_KERNEL_VERSION, Decision, one_line, resolve_attention, resolve_fp8
 from options import Options, Resolution
 
 log = logging.getLogger("packages")
@@ -334,18 +334,22 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     try:
         folder, label, cache = _fetch(source, name)
     except Exception as exc:  # network, auth, no such repo or revision
-        return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
+        return None, one_line(f"cannot read {source}: {type(exc).__name__}: {exc}", REASON_LIMIT)
     try:
         packages, config = _read_packages(folder, source, name, here, resolution, cache)
     except Refused as exc:
-        return None, _one_line(str(exc))
+        return None, one_line(str(exc), REASON_LIMIT)
     except OSError as exc:  # an unreadable file or folder (permissions, I/O error)
-        return None, _one_line(f"cannot read {source}: {type(exc).__name__}: {exc}")
+        return None, one_line(f"cannot read {source}: {type(exc).__name__}: {exc}", REASON_LIMIT)
     decisions = [Decision(*d) for d in config["decisions"]]
     saved = config["fingerprint"]
     return Compiled(
         packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {label}"
     ), ""
+
+
+# A refusal's reason is one log line of at most this many characters.
+REASON_LIMIT = 600
 
 
 class Refused(Exception):
@@ -497,12 +501,6 @@ def _open_inside(folder: Path, relative: str, cache: Path | None = None) -> Bina
     finally:
         if fd >= 0:
             os.close(fd)
-
-
-def _one_line(text: str, limit: int = 600) -> str:
-    """`text` on one line (names from a file may hold newlines), cut to `limit` characters."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
