@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+from typing import Any
 
 import gradio as gr
 import spaces  # noqa: F401  (before torch: on ZeroGPU it patches torch before anything can touch CUDA)
@@ -40,6 +41,8 @@ MAX_GUIDANCE = 10.0
 # measured here: x3 for it and for slack. spaces multiplies what is asked by its card's duration
 # factor (1.5 on that card), which makes more room, not less.
 NEW_WORKER_SECONDS = 3 * 16.0
+# A LoRA switch (lora.Adapters.use) on a worker: the first one copies the base of the targeted layers.
+LORA_SWITCH_SECONDS = 3 * 2.0
 SECONDS_PER_STEP_AT_4096_TOKENS = 3 * 0.175
 MAX_GPU_SECONDS = 120
 EXAMPLES = [
@@ -62,6 +65,7 @@ RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
 GUIDED = bool(pipe.transformer.config.guidance_embeds)
 DEFAULT_STEPS, DEFAULT_GUIDANCE = (28, 3.5) if GUIDED else (4, 0.0)
 TEXT_TOKENS = 512  # T5 sequence length the blocks are compiled for (FluxPipeline's max_sequence_length)
+LORAS = ["none", *REPLICAS.adapters[0].names]  # what a request can pick (AOT_LORA_CHOICES)
 if OPTIONS.compile:
     REPORT = REPLICAS.reports[0]
     log.info("compiled blocks:\n%s", REPORT)
@@ -78,25 +82,27 @@ def refuse(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-def named(slider: gr.Slider) -> gr.Slider:
-    """`slider`, whose range errors name it: gradio's own say only "Value 4096 is greater than
+def named(component: gr.components.Component) -> gr.components.Component:
+    """`component`, whose input errors name it: gradio's own say only "Value 4096 is greater than
     maximum value 1536.", and print a traceback in the server log for each refused request.
 
     (An instance attribute: a subclass of a gradio component makes gradio write a `.pyi` beside us.)
     """
-    check = slider.preprocess
+    check = component.preprocess
 
-    def preprocess(payload: float) -> float:
+    def preprocess(payload: Any) -> Any:
         try:
             return check(payload)
         except gr.Error as exc:
-            raise refuse(f"{slider.label}: {exc.message}") from None
+            raise refuse(f"{component.label}: {exc.message}") from None
 
-    slider.preprocess = preprocess
-    return slider
+    component.preprocess = preprocess
+    return component
 
 
-def check_request(prompt: str, seed: int, width: int, height: int, steps: int, guidance: float) -> None:
+def check_request(
+    prompt: str, seed: int, width: int, height: int, steps: int, guidance: float, lora: str = "none"
+) -> None:
     """Raise `gr.Error` saying what is allowed, before any GPU work.
 
     Gradio's sliders already refuse values outside their range (`named`); this also covers sizes
@@ -118,20 +124,25 @@ def check_request(prompt: str, seed: int, width: int, height: int, steps: int, g
         raise refuse(f"guidance={guidance}: use a value from 0 to {MAX_GUIDANCE}.")
     if not 0 <= seed <= MAX_SEED:
         raise refuse(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
+    if lora not in LORAS:
+        raise refuse(f"lora={lora!r}: use one of {', '.join(LORAS)} (AOT_LORA_CHOICES lists what is offered).")
 
 
-def gpu_seconds(replica, prompt, seed, width, height, steps, guidance) -> int:
-    """ZeroGPU duration for one request, in seconds: a new worker's setup + the steps, the per-step
-    time scaled by image tokens; at most `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
+def gpu_seconds(replica, prompt, seed, width, height, steps, guidance, lora) -> int:
+    """ZeroGPU duration for one request, in seconds: a new worker's setup + a LoRA switch + the steps,
+    the per-step time scaled by image tokens; at most `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
     tokens = RESOLUTION.tokens(int(height), int(width))
     steps_s = steps * SECONDS_PER_STEP_AT_4096_TOKENS * tokens / 4096
-    return min(MAX_GPU_SECONDS, math.ceil(NEW_WORKER_SECONDS + steps_s))
+    switch_s = LORA_SWITCH_SECONDS if len(LORAS) > 1 else 0
+    return min(MAX_GPU_SECONDS, math.ceil(NEW_WORKER_SECONDS + switch_s + steps_s))
 
 
-def infer(replica: int, prompt: str, seed: int, width: int, height: int, steps: int, guidance: float):
-    """(On the GPU.) One image as a PIL image, from replica number `replica`. The pipelines reach a
-    ZeroGPU worker through fork (`REPLICAS`), never as arguments."""
+def infer(replica: int, prompt: str, seed: int, width: int, height: int, steps: int, guidance: float, lora: str):
+    """(On the GPU.) One image as a PIL image, from replica number `replica` running LoRA `lora`
+    ("none": the base weights). The pipelines reach a ZeroGPU worker through fork (`REPLICAS`), never
+    as arguments; so do their LoRAs, written into the worker's weights in place (lora.Adapters)."""
     pipe = REPLICAS.pipes[replica]
+    REPLICAS.adapters[replica].use(None if lora == "none" else lora)
     generator = torch.Generator(device=pipe.device).manual_seed(seed)
     return pipe(
         prompt=prompt,
@@ -155,17 +166,21 @@ def generate(
     height: int,
     num_inference_steps: int,
     guidance_scale: float,
+    lora: str = "none",
     progress=gr.Progress(track_tqdm=True),  # noqa: B008 (gradio injects it)
 ):
-    """Generate one image; returns (PIL image, seed used, notes). Invalid input raises `gr.Error`.
+    """Generate one image with LoRA `lora` (one of `LORAS`; "none" by default); returns (PIL image,
+    seed used, notes). Invalid input raises `gr.Error`.
 
     notes says what was generated (size, steps, seed: the UI's sliders round a typed value to their
     step without a word) and what the request did not get as asked (a prompt cut to the text length
     the blocks are compiled for), so that API clients learn it too, not only the UI's toast.
     """
-    check_request(prompt, seed, width, height, num_inference_steps, guidance_scale)
+    check_request(prompt, seed, width, height, num_inference_steps, guidance_scale, lora)
     seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
     notes = f"{int(width)}x{int(height)} px, {int(num_inference_steps)} steps, seed {seed}."
+    if lora != "none":
+        notes += f" LoRA: {lora}."
     if len(pipe.tokenizer_2(prompt).input_ids) > TEXT_TOKENS:
         cut = f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored."
         gr.Warning(cut)
@@ -173,7 +188,8 @@ def generate(
     with REPLICAS.take() as replica:
         start = time.perf_counter()
         log.info("replica %d started a request", replica)
-        image = infer(replica, prompt, seed, int(width), int(height), int(num_inference_steps), float(guidance_scale))
+        size, steps_ = (int(width), int(height)), int(num_inference_steps)
+        image = infer(replica, prompt, seed, *size, steps_, float(guidance_scale), lora)
         log.info(
             "replica %d served %sx%s, %s steps in %.1f s",
             replica,
@@ -207,11 +223,12 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
         guidance = named(
             gr.Slider(0.0, MAX_GUIDANCE, value=DEFAULT_GUIDANCE, step=0.1, label="Guidance", visible=GUIDED)
         )
+        lora = named(gr.Dropdown(LORAS, value="none", label="LoRA", visible=len(LORAS) > 1))
     gr.Examples(EXAMPLES, inputs=[prompt])
     gr.on(
         triggers=[run.click, prompt.submit],
         fn=generate,
-        inputs=[prompt, seed, randomize_seed, width, height, steps, guidance],
+        inputs=[prompt, seed, randomize_seed, width, height, steps, guidance, lora],
         outputs=[result, seed_used, notes],
         api_name="generate",
     )

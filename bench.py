@@ -116,7 +116,10 @@ SCENARIOS = {
 }
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
 # (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
-GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["warm"], ["zerogpu"]]
+GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["warm"], ["zerogpu"], ["lora"]]
+# The `lora` scenario's LoRA: rank 16 on every attention and MLP layer of both block classes.
+LORA_RANK = 16
+LORA_TARGETS = ("attn.to_", "attn.add_", "ff.net", "ff_context.net", "proj_mlp", "proj_out")
 PROMPTS = ["a photo of a red fox in fresh snow, morning light", "an isometric pixel-art lighthouse at dusk"]
 RANDOM = "random-flux-dev"
 
@@ -302,6 +305,8 @@ def worker(names: list[str], args) -> None:
     """Run `names` in this process; print one `ROW {json}` line per scenario."""
     if names == ["warm"]:
         return print("ROW " + json.dumps(warm_start(args)), flush=True)
+    if names == ["lora"]:
+        return print("ROW " + json.dumps(lora_switching(args)), flush=True)
     if names == ["zerogpu"]:
         print("ROW " + json.dumps(zerogpu_start(args)), flush=True)
         os._exit(0)  # a Space never stops: closing it hung here (H200, 2026-12-01); its worker is ended
@@ -384,6 +389,65 @@ def warm_start(args) -> dict:
     row["s_per_image"] = statistics.median(times)
     row["peak_gib"] = peak_gib()
     row["image_size"] = list(image.size)
+    return row
+
+
+def random_lora(transformer: torch.nn.Module, path: Path) -> int:
+    """Write a seeded rank-`LORA_RANK` LoRA for `LORA_TARGETS` inside the repeated blocks to `path`
+    (diffusers' keys, no alpha: scaling 1); returns the number of layers. Its product is about a
+    tenth of a random weight's size (A ~ N(0, 1/in), B ~ N(0, 0.01/r))."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(1)
+    blocks = {id(b) for found in repeated_blocks(transformer).values() for b in found}
+    tensors = {}
+    for where, block in transformer.named_modules():
+        if id(block) not in blocks:
+            continue
+        for sub, layer in block.named_modules():
+            if isinstance(layer, torch.nn.Linear) and sub.startswith(LORA_TARGETS):
+                a = torch.randn(LORA_RANK, layer.in_features, generator=generator) / layer.in_features**0.5
+                b = torch.randn(layer.out_features, LORA_RANK, generator=generator) * (0.01 / LORA_RANK) ** 0.5
+                tensors[f"transformer.{where}.{sub}.lora_A.weight"] = a.to(torch.bfloat16)
+                tensors[f"transformer.{where}.{sub}.lora_B.weight"] = b.to(torch.bfloat16)
+    save_file(tensors, path)
+    return len(tensors) // 2
+
+
+def lora_switching(args) -> dict:
+    """A rank-16 LoRA switched per request on the template's default path (every fast path auto,
+    CUDA graphs): its latents against eager + the same LoRA through peft, the step with and without
+    it, and the seconds `lora.Adapters.use` takes (the first switch copies the base)."""
+    import lora
+    from fast_paths import fp8_config
+
+    work = Path(args.work)
+    pipe = build(args)
+    source = work / "random-lora.safetensors"
+    row = {"scenario": "lora", "cold": True, "lora_layers": random_lora(pipe.transformer, source)}
+    pipe.load_lora_weights(str(source), adapter_name="random")
+    _, reference = generate(pipe, args.size, args.steps)  # eager + peft's LoRA layers
+    pipe.unload_lora_weights()  # plain layers again, base weights untouched (nothing was fused)
+    probe_cpu_isa_in_background().join()
+    start = time.perf_counter()
+    report = optimize_(pipe, Options.from_env())
+    row["ready_s"] = time.perf_counter() - start
+    row["decisions"] = [str(d) for d in report.decisions]
+    fp8 = fp8_config(report.compiled.fp8_granularity) if any(p.fp8 for p, _ in report.rows) else None
+    adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source))], fp8)
+    kwargs = step_inputs(pipe, args.size)  # the first step at this size captures its CUDA graph
+    with torch.no_grad():
+        row["base_step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
+        row["switch_first_s"] = adapters.use("random")
+        row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
+        row["switch_off_s"] = adapters.use(None)
+        row["switch_on_s"] = adapters.use("random")
+    row["base_copy_gb"] = adapters.base_bytes / 1e9
+    generate(pipe, args.size, 2)
+    reset_peak()
+    row["s_per_image"], latents = generate(pipe, args.size, args.steps)
+    row["peak_gib"] = peak_gib()
+    row["rel_error"] = rel_error(latents, reference)
     return row
 
 
@@ -534,6 +598,13 @@ def table(rows: list[dict], args) -> str:
                 f"{row['isa_probe_s']:.1f} s), launch (packs the weights) {row['launch_s']:.1f} s; first request on a "
                 f"new worker {row['first_request_s']:.2f} s, warm {row['s_per_image']:.2f} s: a new worker costs "
                 f"{row['new_worker_s']:.2f} s"
+            )
+        if row["scenario"] == "lora":
+            notes.append(
+                f"lora: rank {LORA_RANK} on {row['lora_layers']} layers; switch from none "
+                f"{row['switch_first_s']:.3f} s the first time (copies the base, {row['base_copy_gb']:.1f} GB), "
+                f"then on {row['switch_on_s']:.3f} s, off {row['switch_off_s']:.3f} s; step {row['step_ms']:.1f} ms "
+                f"with it, {row['base_step_ms']:.1f} ms without; rel. error is vs eager + the same LoRA through peft"
             )
         if row["scenario"] == "warm":
             notes.append(

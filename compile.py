@@ -46,6 +46,7 @@ from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+import lora
 import zerogpu
 from blocks import (
     BlockPackage,
@@ -373,6 +374,7 @@ def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | No
         finally:
             _pipeline = None
     report = apply_(pipe, compiled)
+    lora.forbid_peft_(pipe)  # an adapter added from now on would be ignored: raise instead
     if graphs.value == "on":
         graph_step_(pipe.transformer, strict=options.cuda_graphs == "on")
     report.decisions = [*report.decisions, graphs]
@@ -405,7 +407,8 @@ def _load_or_compile(options: Options) -> Compiled:
 
 
 def load_pipeline(options: Options) -> Any:
-    """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`.
+    """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`, with the
+    LoRAs of `options.lora` fused into its weights (lora.fuse_).
 
     Everything that can be checked without the weights is checked first, in seconds: explicit fast
     paths this machine cannot run, a push target without a token, the side range against the model's
@@ -418,7 +421,8 @@ def load_pipeline(options: Options) -> Any:
     Raises:
         RuntimeError: the model cannot be fetched, it is too large to run without CUDA, or an
             explicit option cannot work here.
-        ValueError: the side range does not fit the model's pixel step.
+        ValueError: the side range does not fit the model's pixel step; a LoRA source that is
+            neither a path nor a Hub repo id, or a LoRA that cannot be applied (lora.read).
     """
     from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 
@@ -436,6 +440,8 @@ def load_pipeline(options: Options) -> Any:
         check_save_target(options.save)
     if options.push:
         check_push_target(options.push)
+    for spec in lora.parse(options.lora) + lora.parse(options.lora_choices):
+        spec.check()
     config = _model_config(FluxTransformer2DModel, options.model, "transformer")
     if device.type == "cpu":
         with torch.device("meta"):
@@ -450,7 +456,10 @@ def load_pipeline(options: Options) -> Any:
     options.resolution(vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1))  # as FluxPipeline computes it
     if options.compile and not options.load:
         probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
-    return FluxPipeline.from_pretrained(options.model, dtype=dtype).to(device)
+    pipe = FluxPipeline.from_pretrained(options.model, dtype=dtype).to(device)
+    if options.lora:
+        lora.fuse_(pipe, lora.parse(options.lora))
+    return pipe
 
 
 def _model_config(cls: Any, model: str, subfolder: str) -> dict[str, Any]:

@@ -93,6 +93,22 @@ class Options:
             choices=("large", "xlarge"),
         ),
     )
+    lora: str | None = field(
+        default=None,
+        metadata=_option(
+            "AOT_LORA",
+            "LoRAs fused into the transformer's weights at startup, before compiling: comma-separated"
+            " [name=]source[:scale]; source a .safetensors file, a folder, or a Hub repo owner/name[/file.safetensors]",
+        ),
+    )
+    lora_choices: str | None = field(
+        default=None,
+        metadata=_option(
+            "AOT_LORA_CHOICES",
+            "LoRAs a request can pick (UI and /generate's lora argument), written into the compiled blocks' weights"
+            " in place when picked, no recompile; same syntax as --lora",
+        ),
+    )
     min_side: int = field(default=MIN_SIDE, metadata=_option("AOT_MIN_SIDE", "smallest image side in pixels", type=int))
     max_side: int = field(default=MAX_SIDE, metadata=_option("AOT_MAX_SIDE", "largest image side in pixels", type=int))
     load: str | None = field(
@@ -185,6 +201,9 @@ class Options:
             raise ValueError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if not re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", self.devices):
             raise ValueError(f"devices={self.devices!r}: use auto or a comma-separated list of cpu, cuda, cuda:N")
+        from lora import parse
+
+        parse(self.lora), parse(self.lora_choices)  # raises ValueError naming the item and the syntax
         if self.push and not self.save:
             raise ValueError(f"push={self.push!r} needs save: the folder whose packages are pushed (--save DIR)")
 

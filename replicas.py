@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+import lora
 from blocks import Compiled, Report
 from compile import load_pipeline, optimize_
+from fast_paths import fp8_config
 from options import Options
 
 log = logging.getLogger("replicas")
@@ -50,11 +52,11 @@ def gpu_model(device: str) -> str:
 
 
 class Replicas:
-    """The pipelines, one per device, and which of them are free. `len()` is how many requests can
-    run at once."""
+    """The pipelines, one per device, their LoRA choices (`lora.Adapters`, one per pipeline), and
+    which of them are free. `len()` is how many requests can run at once."""
 
-    def __init__(self, pipes: list[Any], reports: list[Report | None]):
-        self.pipes, self.reports = pipes, reports
+    def __init__(self, pipes: list[Any], reports: list[Report | None], adapters: list[lora.Adapters]):
+        self.pipes, self.reports, self.adapters = pipes, reports, adapters
         self._free: queue.Queue[int] = queue.Queue()
         for index in range(len(pipes)):
             self._free.put(index)
@@ -74,13 +76,16 @@ class Replicas:
 
 def start(options: Options) -> Replicas:
     """Load one pipeline per device and, with `options.compile`, optimize each (`compile.optimize_`):
-    the first of each GPU model loads or compiles packages, the others bind them.
+    the first of each GPU model loads or compiles packages, the others bind them. Each pipeline
+    gets the LoRAs of `options.lora_choices` as `lora.Adapters`.
 
     Raises:
-        RuntimeError, ValueError: see `compile.load_pipeline` and `compile.optimize_`.
+        RuntimeError, ValueError, OSError: see `compile.load_pipeline`, `compile.optimize_` and
+            `lora.read`.
     """
     chosen = devices(options)
-    pipes, reports = [], []
+    choices = lora.parse(options.lora_choices)
+    pipes, reports, adapters = [], [], []
     compiled: dict[str, Compiled] = {}  # GPU model -> packages
     for device in chosen:
         replica = dataclasses.replace(options, device=device, devices="auto")
@@ -92,8 +97,10 @@ def start(options: Options) -> Replicas:
                 replica = dataclasses.replace(replica, save=None, push=None)
             report = optimize_(pipe, replica, compiled=compiled.get(model))
             compiled.setdefault(model, report.compiled)
+        fp8 = fp8_config(report.compiled.fp8_granularity) if report and any(p.fp8 for p, _ in report.rows) else None
+        adapters.append(lora.Adapters(pipe, choices, fp8))
         pipes.append(pipe)
         reports.append(report)
     if len(chosen) > 1:
         log.info("%d replicas on %s; packages for %d GPU model(s)", len(chosen), ", ".join(chosen), len(compiled))
-    return Replicas(pipes, reports)
+    return Replicas(pipes, reports, adapters)

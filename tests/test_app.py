@@ -21,7 +21,9 @@ from options import Options
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
     """`python app.py` serving the tiny pipeline on 127.0.0.1."""
-    app = Server(["app.py"], {"MODEL_ID": TINY}, tmp_path_factory.mktemp("app") / "app.log")
+    loras = ",".join(str(ROOT / "assets" / "tiny-flux-loras" / f"{name}.safetensors") for name in "ab")
+    env = {"MODEL_ID": TINY, "AOT_LORA_CHOICES": loras}
+    app = Server(["app.py"], env, tmp_path_factory.mktemp("app") / "app.log")
     yield app.wait_until_serving()
     app.stop()
 
@@ -41,9 +43,10 @@ def client(server):
     return Client(server, verbose=False)
 
 
-def generate(client, prompt="a red cat", seed=7, randomize=False, width=512, height=768, steps=2, guidance=3.5):
+def generate(client, prompt="a red cat", seed=7, randomize=False, width=512, height=768, steps=2, guidance=3.5, **lora):
+    """/generate as a client calls it; without `lora`, as a client written before LoRAs were offered."""
     path, seed, notes = client.predict(
-        prompt, seed, randomize, width, height, steps, guidance, api_name="/generate"
+        prompt, seed, randomize, width, height, steps, guidance, *lora.values(), api_name="/generate"
     )
     return np.asarray(Image.open(path)), seed, notes
 
@@ -75,6 +78,7 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
         ({"steps": 0}, "Steps: Value 0 is less than minimum value 1"),
         ({"guidance": 11.0}, "Guidance: Value 11.0 is greater than maximum value 10"),
         ({"seed": -1}, "Seed: Value -1 is less than minimum value 0"),
+        ({"lora": "c"}, "LoRA: Value: c is not in the list of choices: \\['none', 'a', 'b'\\]"),
     ],
 )
 def test_invalid_request_is_refused_and_the_next_one_works(client, change, message):
@@ -92,6 +96,17 @@ def test_refused_requests_log_one_line_each_and_no_traceback(client, server_log)
     added = server_log.read_text()[len(before) :]
     assert added.count("refused a request: ") == 2, added
     assert "Traceback" not in added, added
+
+
+def test_a_lora_picked_per_request_changes_the_image_and_none_brings_the_base_back(client):
+    base, _, _ = generate(client)
+    styled, _, notes = generate(client, lora="a")
+    assert notes == "512x768 px, 2 steps, seed 7. LoRA: a."
+    assert np.abs(styled.astype(float) - base).mean() > 1, "LoRA a changes the image"
+    other, _, _ = generate(client, lora="b")
+    assert not np.array_equal(other, styled)
+    again, _, notes = generate(client, lora="none")
+    assert np.array_equal(again, base) and notes == "512x768 px, 2 steps, seed 7."
 
 
 def test_prompt_longer_than_the_text_encoder_still_generates(client):

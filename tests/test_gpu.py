@@ -98,6 +98,35 @@ def test_cuda_graph_replays_match_plain_steps():
         assert error < 1e-3, f"{size}: graph replay vs plain step {error:.2e}"
 
 
+def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_base_exactly(tmp_path):
+    import lora
+    from bench import random_lora
+    from compile import optimize_
+    from fast_paths import fp8_config
+
+    pipe = wide_pipeline()
+    source = tmp_path / "lora.safetensors"
+    random_lora(pipe.transformer, source)  # rank 16, every attention and MLP layer of the blocks
+    base = images(pipe)
+    pipe.load_lora_weights(str(source))
+    expected = images(pipe)  # eager bf16 + peft's LoRA layers
+    pipe.unload_lora_weights()
+    assert rel_error(expected, base) > 5e-2, "the LoRA changes the image"
+    report = optimize_(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
+    assert "attention: fa3, fp8: on, cuda_graphs: on" in report.summary(), report
+    adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source))], fp8_config("row"))
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
+    images(pipe)  # captures the step's CUDA graph before the switch: replays must see the new weights
+    adapters.use("random")
+    error = rel_error(images(pipe), expected)
+    assert error < FP8_MAX_REL_ERROR, f"FP8 compiled + LoRA vs bf16 eager + LoRA: {error:.2e}"
+    adapters.use(None)
+    for layer, saved in zip(layers, before, strict=True):
+        assert all(torch.equal(t, saved[n]) for n, t in lora.inner_tensors(layer.weight).items())
+    assert rel_error(images(pipe), base) < FP8_MAX_REL_ERROR
+
+
 def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_path):
     """The whole ZeroGPU flow on the GPU, nothing stood in: the real spaces package in ZeroGPU
     mode, zerogpu_harness.py's device API, FLUX.1-dev-width blocks, every fast path `auto`."""

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, ZeroGPUSpace
+from conftest import ROOT, TINY, ZeroGPUSpace, load_tiny
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from PIL import Image
@@ -25,7 +25,9 @@ from packages import save_packages
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
 # so the worker's images can be compared with an eager float32 pipeline here.
-ZEROGPU_ENV = {"MODEL_ID": TINY, "AOT_DTYPE": "float32"}
+LORAS = ROOT / "assets" / "tiny-flux-loras"
+ZEROGPU_ENV = {"MODEL_ID": TINY, "AOT_DTYPE": "float32", "AOT_LORA_CHOICES": str(LORAS / "a.safetensors")}
+CALL = dict(height=768, width=512, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=512)
 
 
 def cpu_space(env: dict[str, str], log, *harness_flags: str) -> ZeroGPUSpace:
@@ -39,10 +41,17 @@ def space(tmp_path_factory):
     app.stop()
 
 
-def request(url: str, seed=7, width=512, height=768, steps=2) -> np.ndarray:
+def request(url: str, seed=7, width=512, height=768, steps=2, lora="none") -> np.ndarray:
     client = Client(url, verbose=False)
-    path, _, _ = client.predict("a red cat", seed, False, width, height, steps, 3.5, api_name="/generate")
+    path, _, _ = client.predict("a red cat", seed, False, width, height, steps, 3.5, lora, api_name="/generate")
     return np.asarray(Image.open(path))
+
+
+def eager_image(pipe, lora: str | None = None) -> np.ndarray:
+    """What `request()` should return, from an eager pipeline here (with a LoRA through peft)."""
+    if lora:
+        pipe.load_lora_weights(str(LORAS / f"{lora}.safetensors"))
+    return np.asarray(pipe("a red cat", generator=torch.Generator().manual_seed(7), **CALL).images[0]).astype(float)
 
 
 def test_startup_compiles_in_the_worker_and_the_main_process_never_touches_cuda(space):
@@ -58,13 +67,12 @@ def test_startup_compiles_in_the_worker_and_the_main_process_never_touches_cuda(
 def test_requests_reuse_one_worker_and_a_reclaimed_worker_is_replaced(space, eager_pipe):
     started = space.device("/status")["allow"]  # each new worker calls /allow once
     images = [request(space.url) for _ in range(3)]
-    # app.gpu_seconds: a new worker's setup (3 x 16 s) + 2 steps x 3 x 0.175 s x 1536/4096 tokens, rounded up
-    assert "GPU granted for 49 s" in space.text()
+    # app.gpu_seconds: a new worker's setup (3 x 16 s) + a LoRA switch, since LoRAs are offered (3 x 2 s)
+    # + 2 steps x 3 x 0.175 s x 1536/4096 tokens, rounded up
+    assert "GPU granted for 55 s" in space.text()
     assert space.device("/status")["allow"] == started + 1, "three requests, one worker"
     # The worker computed what the eager pipeline computes (its weights crossed the fork intact).
-    generator = torch.Generator().manual_seed(7)
-    call = dict(height=768, width=512, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=512)
-    expected = np.asarray(eager_pipe("a red cat", generator=generator, **call).images[0]).astype(float)
+    expected = eager_image(eager_pipe)
     for image in images:
         assert image.shape == (768, 512, 3)
         assert np.abs(image.astype(float) - expected).max() <= 1, "worker output differs from eager"
@@ -72,6 +80,15 @@ def test_requests_reuse_one_worker_and_a_reclaimed_worker_is_replaced(space, eag
     after = request(space.url)
     assert space.device("/status")["allow"] == started + 2, "a new worker, with blocks bound again"
     assert np.array_equal(after, images[0])
+
+
+def test_a_lora_is_written_into_each_workers_weights_and_the_main_process_keeps_the_base(space, eager_pipe):
+    base = request(space.url)
+    styled = request(space.url, lora="a")
+    assert np.abs(styled.astype(float) - eager_image(load_tiny(), "a")).max() <= 1, "worker differs from eager + peft"
+    space.device("/reclaim", "POST")  # the next worker forks from the main process: base weights, no LoRA
+    assert np.array_equal(request(space.url), base)
+    assert np.array_equal(request(space.url, lora="a"), styled)
 
 
 def test_a_request_aborted_past_its_duration_fails_and_the_next_one_works(space):
@@ -101,11 +118,12 @@ def test_saved_packages_load_in_the_worker_and_every_call_gets_a_new_one(saved, 
         app.stop()
 
 
-def test_eager_switch_serves_in_zerogpu_mode(tmp_path):
-    app = cpu_space({"AOT_COMPILE": "0"}, tmp_path / "app.log")
+def test_eager_switch_serves_in_zerogpu_mode_with_a_lora_fused_in_the_main_process(tmp_path, eager_pipe):
+    # AOT_LORA is fused at startup into the main process's emulated CUDA tensors.
+    app = cpu_space({"AOT_COMPILE": "0", "AOT_LORA": str(LORAS / "b.safetensors")}, tmp_path / "app.log")
     try:
         app.wait_until_serving()
-        assert request(app.url).shape == (768, 512, 3)
+        assert np.abs(request(app.url).astype(float) - eager_image(eager_pipe, "b")).max() <= 1
         assert app.device("/status")["schedule"] == 1, "no startup call: only the request used the GPU"
     finally:
         app.stop()
