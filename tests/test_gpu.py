@@ -98,24 +98,26 @@ def test_cuda_graph_replays_match_plain_steps():
         assert error < 1e-3, f"{size}: graph replay vs plain step {error:.2e}"
 
 
-def latents(pipe, size=(1024, 768)):
-    generator = torch.Generator().manual_seed(0)
-    call = dict(height=size[0], width=size[1], num_inference_steps=2, generator=generator, output_type="latent")
-    return pipe("a red cat on a mat", **call).images.float()
-
-
 def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_base_exactly(tmp_path):
+    # One transformer step on fixed inputs: images and 2-step latents hide most of a LoRA's effect
+    # (8e-3 in latents here, about FP8's own error), the step's output does not.
     import lora
-    from bench import random_lora
+    from bench import random_lora, step_inputs
     from compile import optimize_
     from fast_paths import fp8_config
 
     pipe = wide_pipeline()
     source = tmp_path / "lora.safetensors"
     random_lora(pipe.transformer, source)  # rank 16, every attention and MLP layer of the blocks
-    base = latents(pipe)
+    inputs = step_inputs(pipe, 1024)
+
+    def step():
+        with torch.no_grad():
+            return pipe.transformer(**inputs)[0].float()
+
+    base = step()
     pipe.load_lora_weights(str(source))
-    expected = latents(pipe)  # eager bf16 + peft's LoRA layers
+    expected = step()  # eager bf16 + peft's LoRA layers
     pipe.unload_lora_weights()
     effect = rel_error(expected, base)
     report = optimize_(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
@@ -123,15 +125,15 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source))], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
     before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
-    fp8_error = rel_error(latents(pipe), base)  # also captures the step's CUDA graph before the switch
+    fp8_error = rel_error(step(), base)  # captures the step's CUDA graph: the switch must reach replays
     adapters.use("random")
-    error = rel_error(latents(pipe), expected)
+    error = rel_error(step(), expected)
     print(f"LoRA effect {effect:.2e}; FP8 compiled vs eager: base {fp8_error:.2e}, with the LoRA {error:.2e}")
-    assert error < FP8_MAX_REL_ERROR and error < effect / 2, "the replayed graph runs the LoRA, within FP8 error"
+    assert error < FP8_MAX_REL_ERROR and error < effect / 4, "the replayed graph runs the LoRA, within FP8 error"
     adapters.use(None)
     for layer, saved in zip(layers, before, strict=True):
         assert all(torch.equal(t, saved[n]) for n, t in lora.inner_tensors(layer.weight).items())
-    assert rel_error(latents(pipe), base) == pytest.approx(fp8_error, rel=1e-3), "the base is back"
+    assert rel_error(step(), base) == pytest.approx(fp8_error, rel=1e-3), "the base is back"
 
 
 def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_path):
