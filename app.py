@@ -41,8 +41,11 @@ MAX_GUIDANCE = 10.0
 # measured here: x3 for it and for slack. spaces multiplies what is asked by its card's duration
 # factor (1.5 on that card), which makes more room, not less.
 NEW_WORKER_SECONDS = 3 * 16.0
-# A LoRA switch (lora.Adapters.use) on a worker: the first one copies the base of the targeted layers.
-LORA_SWITCH_SECONDS = 3 * 2.0
+# A LoRA switch (lora.Adapters.use): the first one in a worker also copies the base of the layers the
+# LoRAs target. Measured on the H200 (bench.py's lora row, BENCHMARKS.md, 2026-12-01): rank 16 on all
+# 418 attention and MLP layers of FLUX.1-dev's blocks, FP8: 0.58 s the first time (8.6 GB copied),
+# 0.47 s on, 0.03 s off. x3 for ZeroGPU's card, as above.
+LORA_SWITCH_SECONDS = 3 * 0.6
 SECONDS_PER_STEP_AT_4096_TOKENS = 3 * 0.175
 MAX_GPU_SECONDS = 120
 EXAMPLES = [

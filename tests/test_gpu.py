@@ -99,8 +99,9 @@ def test_cuda_graph_replays_match_plain_steps():
 
 
 def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_base_exactly(tmp_path):
-    # One transformer step on fixed inputs: images and 2-step latents hide most of a LoRA's effect
-    # (8e-3 in latents here, about FP8's own error), the step's output does not.
+    # One transformer step on fixed inputs, the LoRA at scale 4: at scale 1 it moved this random
+    # 2+2-block step by 1.8e-2 (H200, 2026-12-01), too close to FP8's own 7e-3 to tell "applied"
+    # (error ~ FP8's) from "ignored" (error ~ the LoRA's effect); 2-step latents hid it further.
     import lora
     from bench import random_lora, step_inputs
     from compile import optimize_
@@ -116,20 +117,21 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
             return pipe.transformer(**inputs)[0].float()
 
     base = step()
-    pipe.load_lora_weights(str(source))
+    pipe.load_lora_weights(str(source), adapter_name="random")
+    pipe.set_adapters(["random"], adapter_weights=[4.0])
     expected = step()  # eager bf16 + peft's LoRA layers
     pipe.unload_lora_weights()
     effect = rel_error(expected, base)
     report = optimize_(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
     assert "attention: fa3, fp8: on, cuda_graphs: on" in report.summary(), report
-    adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source))], fp8_config("row"))
+    adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
     before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
     fp8_error = rel_error(step(), base)  # captures the step's CUDA graph: the switch must reach replays
     adapters.use("random")
     error = rel_error(step(), expected)
     print(f"LoRA effect {effect:.2e}; FP8 compiled vs eager: base {fp8_error:.2e}, with the LoRA {error:.2e}")
-    assert error < FP8_MAX_REL_ERROR and error < effect / 4, "the replayed graph runs the LoRA, within FP8 error"
+    assert error < effect / 4 and error < 2 * fp8_error, "the replayed graph runs the LoRA, within FP8 error"
     adapters.use(None)
     for layer, saved in zip(layers, before, strict=True):
         assert all(torch.equal(t, saved[n]) for n, t in lora.inner_tensors(layer.weight).items())
