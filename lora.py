@@ -73,8 +73,8 @@ def parse(text: str | None) -> list[LoraSpec]:
     The name defaults to the file's stem or the repo's name (`owner/flux-ghibli` -> `flux-ghibli`).
 
     Raises:
-        ValueError: an item that does not parse, a scale that is not a number, or two LoRAs with
-            one name (the UI and API pick them by name).
+        ValueError: an item that does not parse, a scale that is not a number, two LoRAs with one
+            name (the UI and API pick them by name), or one named `none` (no LoRA).
     """
     specs = []
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
@@ -91,6 +91,8 @@ def parse(text: str | None) -> list[LoraSpec]:
         name = match["name"] or os.path.basename(source.rstrip("/")).removesuffix(".safetensors")
         specs.append(LoraSpec(name, source, scale))
     names = [spec.name for spec in specs]
+    if "none" in names:
+        raise ValueError("a LoRA named 'none': that name means no LoRA; name it with name=source")
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"LoRA names must differ: {', '.join(duplicates)} used twice; name them with name=source")
@@ -105,13 +107,15 @@ def read(pipe: Any, spec: LoraSpec) -> dict[str, Factors]:
     """The LoRA's factors per targeted layer of `pipe.transformer`, by module path. Touches no weight.
 
     Raises:
-        ValueError: the LoRA has layers this template does not apply (see the module docstring),
-            or its shapes do not fit the transformer.
+        ValueError: the pipeline class has no LoRA loader, the LoRA has layers this template does
+            not apply (see the module docstring), or its shapes do not fit the transformer.
         OSError: the file or repo cannot be read (diffusers' message).
     """
     from peft.tuners.lora import LoraLayer
 
     loader = type(pipe)
+    if not hasattr(loader, "load_lora_weights"):
+        raise ValueError(f"LoRA {spec.name}: diffusers has no LoRA loader for {loader.__name__}")
     out = loader.lora_state_dict(**spec.load_kwargs())
     state_dict = out[0] if isinstance(out, tuple) else out
     others = sorted({key.split(".")[0] for key in state_dict if not key.startswith("transformer.")})

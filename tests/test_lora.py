@@ -155,6 +155,8 @@ def test_lora_options_parse_and_bad_ones_say_the_syntax(tmp_path):
     assert lora.parse(None) == lora.parse("") == []
     with pytest.raises(ValueError, match=r"use \[name=\]source\[:scale\]"):
         lora.parse("a.safetensors:strong")
+    with pytest.raises(ValueError, match="that name means no LoRA"):
+        lora.parse(f"none={A}")
     with pytest.raises(ValueError, match="a used twice"):
         lora.parse(f"{A},a={B}")
     with pytest.raises(ValueError, match="neither a file or folder here nor a Hub repo"):
