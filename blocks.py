@@ -37,10 +37,15 @@ class TensorSpec:
     """What a compiled block accepts for one tensor input: shape with dynamic dims, dtype, device."""
 
     path: str
-    shape: tuple[int | None, ...]  # None: this dim is image tokens + offsets[dim]
+    shape: tuple[int | None, ...]  # None: this dim is factors[dim] * image tokens + offsets[dim]
     offsets: tuple[int, ...]
     dtype: torch.dtype
     device: str
+    factors: tuple[int, ...] = ()  # () reads as 1 for every dim (packages saved before edit families)
+
+    def factor(self, dim: int) -> int:
+        """Image tokens per unit of dim `dim` (2 where an edit family's reference image adds as many)."""
+        return self.factors[dim] if self.factors else 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Contract:
                     "path": t.path,
                     "shape": list(t.shape),
                     "offsets": list(t.offsets),
+                    "factors": [t.factor(d) for d in range(len(t.shape))],
                     "dtype": dtype_name(t.dtype),
                     "device": t.device,
                 }
@@ -73,7 +79,14 @@ class Contract:
     @classmethod
     def from_json(cls, block: str, data: dict[str, Any], resolution: Resolution) -> Contract:
         tensors = tuple(
-            TensorSpec(t["path"], tuple(t["shape"]), tuple(t["offsets"]), parse_dtype(t["dtype"]), t["device"])
+            TensorSpec(
+                t["path"],
+                tuple(t["shape"]),
+                tuple(t["offsets"]),
+                parse_dtype(t["dtype"]),
+                t["device"],
+                tuple(t.get("factors", ())),
+            )
             for t in data["tensors"]
         )
         return cls(block, pytree.treespec_loads(data["tree"]), tensors, tuple(data["constants"]), resolution)
@@ -100,10 +113,10 @@ class Contract:
                 )
             for dim, (want, have) in enumerate(zip(spec.shape, leaf.shape, strict=True)):
                 if want is None:
-                    have_tokens = have - spec.offsets[dim]
+                    have_tokens, rest = divmod(have - spec.offsets[dim], spec.factor(dim))
                     tokens = have_tokens if tokens is None else tokens
                     lo, hi = self.resolution.token_range
-                    if have_tokens != tokens or not lo <= have_tokens <= hi:
+                    if rest or have_tokens != tokens or not lo <= have_tokens <= hi:
                         raise ValueError(
                             f"{self.block} was compiled for {self.resolution.describe()}; "
                             f"{spec.path} has {have_tokens} image tokens (shape {tuple(leaf.shape)})"
@@ -116,18 +129,23 @@ class Contract:
 
 
 def _shape_str(spec: TensorSpec) -> str:
-    dims = [
-        ("T" if not off else f"T+{off}") if d is None else str(d)
-        for d, off in zip(spec.shape, spec.offsets, strict=True)
-    ]
+    dims = []
+    for i, (d, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+        if d is not None:
+            dims.append(str(d))
+            continue
+        scaled = "T" if spec.factor(i) == 1 else f"{spec.factor(i)}T"
+        dims.append(f"{scaled}+{off}" if off else scaled)
     return "[" + ", ".join(dims) + "], T = image tokens"
 
 
 def contract_from_captures(block: str, calls: list[Call], tokens: list[int], resolution: Resolution) -> Contract:
     """Find the inputs that follow the image-token count by comparing captures at two sizes.
 
-    A dimension that changes between the captures must equal image tokens plus a constant offset
-    (`image_rotary_emb` covers text + image tokens); every other dimension is fixed.
+    A dimension that changes between the captures must equal a whole factor times the image tokens
+    plus a constant offset: `image_rotary_emb` covers text + image tokens (factor 1, offset = text
+    length); an edit family's `hidden_states` holds the output's and the same-sized reference's
+    tokens (factor 2, families.py). Every other dimension is fixed.
 
     Raises:
         ValueError: the captures differ in structure or in a way the rule cannot describe.
@@ -143,20 +161,23 @@ def contract_from_captures(block: str, calls: list[Call], tokens: list[int], res
         if not isinstance(a, torch.Tensor):
             constants.append(a)
             continue
-        shape, offsets = [], []
+        shape, offsets, factors = [], [], []
         for dim, (da, db) in enumerate(zip(a.shape, b.shape, strict=True)):
+            factor, rest = divmod(da - db, tokens[0] - tokens[1])
             if da == db:
                 shape.append(da)
                 offsets.append(0)
-            elif da - tokens[0] == db - tokens[1]:
+                factors.append(1)
+            elif not rest and factor >= 1:
                 shape.append(None)
-                offsets.append(da - tokens[0])
+                offsets.append(da - factor * tokens[0])
+                factors.append(factor)
             else:
                 raise ValueError(
                     f"{block}: {name} dim {dim} is {da} at {tokens[0]} image tokens and {db} at {tokens[1]}: "
-                    "not image tokens plus a constant, so one dynamic graph cannot serve both"
+                    "not a whole multiple of the image tokens plus a constant, so one dynamic graph cannot serve both"
                 )
-        specs.append(TensorSpec(name, tuple(shape), tuple(offsets), a.dtype, a.device.type))
+        specs.append(TensorSpec(name, tuple(shape), tuple(offsets), a.dtype, a.device.type, tuple(factors)))
     return Contract(block, pytree.tree_structure(first), tuple(specs), tuple(constants), resolution)
 
 
@@ -414,7 +435,12 @@ def check_constants(block: torch.nn.Module, package: BlockPackage, index: int) -
 
 
 def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    """The transformer's repeated blocks by class name, from `transformer._repeated_blocks`.
+    """The transformer's repeated blocks, one group per block class and weight layout.
+
+    Classes come from `transformer._repeated_blocks`. A package is bound to the weights of every
+    block in its group, so blocks of one class whose parameters differ in names or shapes get a
+    group each (Z-Image's blocks with and without modulation weights): named by the class when it
+    has one layout, else `<class>-1`, `<class>-2`, ... in model order.
 
     Raises:
         ValueError: the attribute is missing, or a listed class has no instance in the model.
@@ -432,7 +458,17 @@ def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Mod
             f"{type(transformer).__name__}._repeated_blocks lists {', '.join(empty)}, "
             "but the model has no block of that class"
         )
-    return found
+    groups = {}
+    for name, blocks in found.items():
+        layouts: dict[tuple, list[torch.nn.Module]] = {}
+        for block in blocks:
+            layout = tuple((n, tuple(t.shape)) for n, t in block.state_dict(keep_vars=True).items())
+            layouts.setdefault(layout, []).append(block)
+        if len(layouts) == 1:
+            groups[name] = blocks
+        else:
+            groups.update({f"{name}-{i}": group for i, group in enumerate(layouts.values(), start=1)})
+    return groups
 
 
 @dataclass

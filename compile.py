@@ -62,6 +62,7 @@ from blocks import (
     repeated_blocks,
     wait_for_cpu_isa_probe,
 )
+from families import family
 from fast_paths import (
     FP8_MAX_REL_ERROR,
     FP8_MIN_FEATURES,
@@ -131,15 +132,22 @@ def capture(modules: dict[str, torch.nn.Module]):
 def capture_blocks(
     pipe: Any, firsts: dict[str, torch.nn.Module], sizes: list[tuple[int, int]]
 ) -> list[dict[str, Call]]:
-    """Capture every block class's inputs from one real one-step pipeline call per size.
+    """Capture every block group's inputs from one real pipeline call per size.
+
+    Each call is the one the app makes (`families.Family.call`: keyword arguments, the family's
+    text length, guidance where the model takes it, an input image of the output size for an edit
+    family), with the family's `capture_steps`, stopped at latents.
 
     Raises:
-        RuntimeError: a block class was not called by the pipeline.
+        RuntimeError: a block group was not called by the pipeline.
     """
+    row = family(type(pipe).__name__)
+    steps, guidance = row.defaults(pipe)
     captured = []
     for height, width in sizes:
+        image = row.capture_image(height, width)
         with capture(firsts) as calls:
-            pipe("capture", height=height, width=width, num_inference_steps=1, output_type="latent")
+            pipe(**row.call(pipe, "capture", height, width, row.capture_steps, guidance, image), output_type="latent")
         missing = sorted(set(firsts) - set(calls))
         if missing:
             raise RuntimeError(f"the pipeline call at {height}x{width} never called {', '.join(missing)}")
@@ -157,11 +165,11 @@ def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]
         if not isinstance(leaf, torch.Tensor):
             return None
         spec = next(specs)
-        dynamic = {
-            d: image + off if off else image
-            for d, (s, off) in enumerate(zip(spec.shape, spec.offsets, strict=True))
-            if s is None
-        }
+        dynamic = {}
+        for d, (s, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+            if s is None:
+                scaled = image * spec.factor(d) if spec.factor(d) != 1 else image
+                dynamic[d] = scaled + off if off else scaled
         return dynamic or None
 
     return pytree.tree_map(dims, kwargs)
@@ -405,22 +413,25 @@ def _load_or_compile(options: Options) -> Compiled:
 
 
 def load_pipeline(options: Options) -> Any:
-    """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`.
+    """Load `options.model` as the pipeline class its `model_index.json` names, on `options.device`
+    in `options.dtype`; the class must have a row in families.py.
 
     Everything that can be checked without the weights is checked first, in seconds: explicit fast
-    paths this machine cannot run, a push target without a token, the side range against the model's
-    pixel step (read from its VAE config), a save folder that cannot be written, a Hub that cannot
-    be reached, a model too large for a machine without CUDA. Beside the weights it starts the CPU
-    ISA probe a compile needs (`probe_cpu_isa_in_background`), unless nothing is compiled
-    (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does not need it; if they are then
-    refused, the compile waits for the probe: 35-48 s on the H200 host with torch 2.11).
+    paths this machine cannot run, a push target without a token, a pipeline class that is not
+    supported, the side range against the model's pixel step (read from its VAE config), a save
+    folder that cannot be written, a Hub that cannot be reached, a model too large for a machine
+    without CUDA. Beside the weights it starts the CPU ISA probe a compile needs
+    (`probe_cpu_isa_in_background`), unless nothing is compiled (`--no-compile`) or packages are to
+    be loaded (`AOT_LOAD`, which does not need it; if they are then refused, the compile waits for
+    the probe: 35-48 s on the H200 host with torch 2.11).
 
     Raises:
         RuntimeError: the model cannot be fetched, it is too large to run without CUDA, or an
             explicit option cannot work here.
-        ValueError: the side range does not fit the model's pixel step.
+        ValueError: the pipeline class is not supported, or the side range does not fit the
+            model's pixel step.
     """
-    from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+    import diffusers
 
     cuda = torch.cuda.is_available()
     if options.device.startswith("cuda") and not cuda:
@@ -436,25 +447,39 @@ def load_pipeline(options: Options) -> Any:
         check_save_target(options.save)
     if options.push:
         check_push_target(options.push)
-    config = _model_config(FluxTransformer2DModel, options.model, "transformer")
+    index = _model_config(diffusers.DiffusionPipeline, options.model, None)
+    pipeline_class = index.get("_class_name", "")
+    family(pipeline_class)  # refuses an unsupported class before any weight loads
+    transformer_class = getattr(diffusers, index["transformer"][1])
+    config = _model_config(transformer_class, options.model, "transformer")
     if device.type == "cpu":
         with torch.device("meta"):
-            params = sum(p.numel() for p in FluxTransformer2DModel.from_config(config).parameters())
+            params = sum(p.numel() for p in transformer_class.from_config(config).parameters())
         if params > CPU_MAX_PARAMS:
             raise RuntimeError(
                 f"{options.model} has a {params / 1e9:.1f}B-parameter transformer ({params * 2 / 1e9:.0f} GB in "
                 "bfloat16): it needs a CUDA GPU with room for it and the text encoders. Without one, run the "
                 "bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
             )
-    vae = _model_config(AutoencoderKL, options.model, "vae")
-    options.resolution(vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1))  # as FluxPipeline computes it
+    vae = _model_config(getattr(diffusers, index["vae"][1]), options.model, "vae")
+    options.resolution(vae_scale_factor=vae_scale_factor(vae))
     if options.compile and not options.load:
         probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
-    return FluxPipeline.from_pretrained(options.model, dtype=dtype).to(device)
+    return getattr(diffusers, pipeline_class).from_pretrained(options.model, dtype=dtype).to(device)
 
 
-def _model_config(cls: Any, model: str, subfolder: str) -> dict[str, Any]:
-    """`cls.load_config(model, subfolder=...)` from a folder, the local Hub cache, or the Hub.
+def vae_scale_factor(vae_config: dict[str, Any]) -> int:
+    """The VAE's spatial downsampling, as the pipelines compute `vae_scale_factor` from its config:
+    2 ** (resolution levels - 1) for `AutoencoderKL`-style VAEs (8 for FLUX's), 2 ** len(temperal_downsample)
+    for Qwen-Image's and Wan's."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"])
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]:
+    """`cls.load_config(model, subfolder=...)` from a folder, the local Hub cache, or the Hub;
+    `subfolder=None` reads the model's own `model_index.json`.
 
     huggingface_hub retries an unreachable Hub for about 30 s before it fails with "does not
     appear to have a file named config.json"; one request with a 5 s timeout tells first.
@@ -498,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     report = optimize_(pipe, options)
     ready = time.perf_counter() - start
     side = options.min_side
-    pipe("a test", height=side, width=side, num_inference_steps=1, output_type="latent")  # loads + binds every block
+    row = family(type(pipe).__name__)
+    call = row.call(pipe, "a test", side, side, row.capture_steps, row.defaults(pipe)[1], row.capture_image(side, side))
+    pipe(**call, output_type="latent")  # loads + binds every block
     print(report)
     first_step = time.perf_counter() - start
     print(f"packages {report.source} in {ready:.1f} s; first step at {side}x{side} done after {first_step:.1f} s")
