@@ -78,8 +78,12 @@ def t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def build() -> FluxPipeline:
-    """Return the seeded tiny pipeline (float32, CPU)."""
+def build(transformer: dict = TRANSFORMER, scheduler: dict = SCHEDULER, pipeline_class=FluxPipeline) -> FluxPipeline:
+    """Return the seeded tiny pipeline (float32, CPU).
+
+    The FLUX.1 variants (schnell, Kontext) share these components and differ only in the transformer's
+    config fields, the scheduler's config and the pipeline class, so their scripts call this with their own.
+    """
     torch.manual_seed(SEED)
     tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
     text_encoder = CLIPTextModel(
@@ -110,14 +114,14 @@ def build() -> FluxPipeline:
             eos_token_id=1,
         )
     )
-    return FluxPipeline(
-        transformer=FluxTransformer2DModel(**TRANSFORMER),
+    return pipeline_class(
+        transformer=FluxTransformer2DModel(**transformer),
         vae=AutoencoderKL(**VAE),
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
     )
 
 
