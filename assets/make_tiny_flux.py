@@ -78,6 +78,24 @@ def t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
+def t5_encoder(vocab_size: int, d_model: int) -> T5EncoderModel:
+    """A two-layer T5 encoder of width `d_model` (random weights from the current torch seed)."""
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
 def build(transformer: dict = TRANSFORMER, scheduler: dict = SCHEDULER, pipeline_class=FluxPipeline) -> FluxPipeline:
     """Return the seeded tiny pipeline (float32, CPU).
 
@@ -89,7 +107,7 @@ def build(transformer: dict = TRANSFORMER, scheduler: dict = SCHEDULER, pipeline
     text_encoder = CLIPTextModel(
         CLIPTextConfig(
             vocab_size=len(tokenizer),
-            hidden_size=TRANSFORMER["pooled_projection_dim"],
+            hidden_size=transformer["pooled_projection_dim"],
             intermediate_size=37,
             num_hidden_layers=2,
             num_attention_heads=4,
@@ -100,20 +118,7 @@ def build(transformer: dict = TRANSFORMER, scheduler: dict = SCHEDULER, pipeline
             pad_token_id=1,
         )
     )
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=TRANSFORMER["joint_attention_dim"],
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
+    text_encoder_2 = t5_encoder(len(tokenizer_2), transformer["joint_attention_dim"])
     return pipeline_class(
         transformer=FluxTransformer2DModel(**transformer),
         vae=AutoencoderKL(**VAE),

@@ -26,6 +26,7 @@ TINY = {
         {"image": EDIT_IMAGE, "max_area": 256 * 256, "_auto_resize": False},
         (1, 256, 16),
     ),
+    "tiny-chroma": ("make_tiny_chroma", "ChromaPipeline", {"max_sequence_length": 32}, (1, 256, 16)),
 }
 SHIPPED = [name for name in TINY if (ASSETS / name / "model_index.json").is_file()]
 
