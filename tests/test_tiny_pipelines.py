@@ -27,6 +27,7 @@ TINY = {
         (1, 256, 16),
     ),
     "tiny-chroma": ("make_tiny_chroma", "ChromaPipeline", {"max_sequence_length": 32}, (1, 256, 16)),
+    "tiny-z-image": ("make_tiny_z_image", "ZImagePipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
 }
 SHIPPED = [name for name in TINY if (ASSETS / name / "model_index.json").is_file()]
 
