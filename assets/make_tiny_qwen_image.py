@@ -41,9 +41,10 @@ TRANSFORMER = dict(
     guidance_embeds=False,
     axes_dims_rope=[8, 4, 4],
 )
-# Qwen-Image's VAE layout (three downsampling stages, temporal downsampling in the last two), 8 channels wide.
+# Qwen-Image's VAE layout (three downsampling stages, temporal downsampling in the last two, attention in the
+# middle block), 4 channels wide.
 VAE = dict(
-    base_dim=8,
+    base_dim=4,
     z_dim=Z_DIM,
     dim_mult=[1, 1, 1, 1],
     num_res_blocks=1,

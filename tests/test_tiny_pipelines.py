@@ -29,13 +29,18 @@ TINY = {
     "tiny-chroma": ("make_tiny_chroma", "ChromaPipeline", {"max_sequence_length": 32}, (1, 256, 16)),
     "tiny-z-image": ("make_tiny_z_image", "ZImagePipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
     "tiny-qwen-image": ("make_tiny_qwen_image", "QwenImagePipeline", {"max_sequence_length": 64}, (1, 256, 16)),
+    "tiny-qwen-image-edit": ("make_tiny_qwen_image_edit", "QwenImageEditPipeline", {"image": EDIT_IMAGE}, (1, 256, 16)),
 }
+# transformers' Qwen2VLProcessor cannot be built or loaded without torchvision (its video processor needs it).
+NEEDS = {"tiny-qwen-image-edit": "torchvision"}
 SHIPPED = [name for name in TINY if (ASSETS / name / "model_index.json").is_file()]
 
 
 @pytest.fixture(scope="module", params=SHIPPED)
 def shipped(request):
     name = request.param
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name], reason=f"{name} needs {NEEDS[name]}")
     script, pipeline_class, call, shape = TINY[name]
     pipe = DiffusionPipeline.from_pretrained(ASSETS / name)
     return name, __import__(script), pipeline_class, pipe, call, shape
