@@ -1,10 +1,12 @@
 """What the `make_tiny_*.py` scripts share: a Qwen tokenizer built offline, and the command line.
 
-The Qwen2/Qwen3 tokenizer here is a byte-level BPE with no merges: its vocabulary is the 256 byte symbols
-plus the special tokens the pipelines' prompt templates use, so any text gets ids below the text
-encoder's vocabulary size and nothing is downloaded. Its chat template renders messages as Qwen3's does
-(`<|im_start|>role\\ncontent<|im_end|>`), including the empty think block that `enable_thinking=False`
-adds after the generation prompt.
+The Qwen2/Qwen3 tokenizer here is a byte-level BPE built offline: the 256 byte symbols, the special tokens
+the pipelines' prompt templates use, and merges trained (deterministically) on Qwen-Image's two system
+prompts, so that those tokenize to whole words as with the real 151k vocabulary: the pipelines drop the
+first 34 (Qwen-Image) or 64 (Qwen-Image-Edit) tokens of the template, and here too that cut falls exactly
+at the start of the user's text. Any other text falls back to bytes, with ids below the text encoder's
+vocabulary size. Its chat template renders messages as Qwen3's does (`<|im_start|>role\\ncontent<|im_end|>`),
+including the empty think block that `enable_thinking=False` adds after the generation prompt.
 """
 
 import argparse
@@ -34,11 +36,23 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
+# The system prompts of diffusers' QwenImagePipeline and QwenImageEditPipeline: the merges' training text.
+QWEN_IMAGE_SYSTEM_PROMPTS = [
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n",
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n",
+]
+
+
 def qwen_tokenizer(model_max_length: int = 1024) -> Qwen2TokenizerFast:
-    """A byte-level Qwen2 tokenizer: one id per byte, then the special tokens; pads with <|endoftext|>."""
+    """A byte-level Qwen2 tokenizer (bytes, special tokens, whole-word merges); pads with <|endoftext|>."""
     vocab = {symbol: i for i, symbol in enumerate(sorted(ByteLevel.alphabet()))}
     tokenizer = Qwen2TokenizerFast(vocab=vocab, merges=[], model_max_length=model_max_length)
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    tokenizer = tokenizer.train_new_from_iterator(QWEN_IMAGE_SYSTEM_PROMPTS, vocab_size=1000)
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return tokenizer
 

@@ -28,13 +28,19 @@ TINY = {
     ),
     "tiny-chroma": ("make_tiny_chroma", "ChromaPipeline", {"max_sequence_length": 32}, (1, 256, 16)),
     "tiny-z-image": ("make_tiny_z_image", "ZImagePipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
+    "tiny-qwen-image": ("make_tiny_qwen_image", "QwenImagePipeline", {"max_sequence_length": 64}, (1, 256, 16)),
+    "tiny-qwen-image-edit": ("make_tiny_qwen_image_edit", "QwenImageEditPipeline", {"image": EDIT_IMAGE}, (1, 256, 16)),
 }
+# transformers' Qwen2VLProcessor cannot be built or loaded without torchvision (its video processor needs it).
+NEEDS = {"tiny-qwen-image-edit": "torchvision"}
 SHIPPED = [name for name in TINY if (ASSETS / name / "model_index.json").is_file()]
 
 
 @pytest.fixture(scope="module", params=SHIPPED)
 def shipped(request):
     name = request.param
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name], reason=f"{name} needs {NEEDS[name]}")
     script, pipeline_class, call, shape = TINY[name]
     pipe = DiffusionPipeline.from_pretrained(ASSETS / name)
     return name, __import__(script), pipeline_class, pipe, call, shape
@@ -59,6 +65,20 @@ def test_folder_is_what_its_script_builds(shipped):
             )
     want, got = ({k: v for k, v in pipe.scheduler.config.items() if not k.startswith("_")} for pipe in (built, saved))
     assert want == got, f"{name}: scheduler config differs"
+    for part, text in _texts(built).items():
+        assert text == _texts(saved)[part], f"{name}/{part}: saved tokenizer or processor differs from the built one"
+
+
+def _texts(pipe) -> dict:
+    """What defines each tokenizer and processor: vocabulary, chat template, image processor settings."""
+    texts = {}
+    for name, part in pipe.components.items():
+        tokenizer = getattr(part, "tokenizer", part)
+        if hasattr(tokenizer, "get_vocab"):
+            texts[name] = (tokenizer.get_vocab(), getattr(tokenizer, "chat_template", None))
+        if hasattr(part, "image_processor"):
+            texts[name] += (part.image_processor.to_dict(),)
+    return texts
 
 
 def test_two_steps_give_finite_latents(shipped):
