@@ -1,7 +1,9 @@
-"""Regional ahead-of-time (AoT) compilation of a FLUX transformer, as the recipe's verbs.
+"""Regional ahead-of-time (AoT) compilation of a diffusion transformer, as the recipe's verbs.
 
-    capture  record each repeated block class's real inputs from real pipeline calls
-    export   torch.export one block per class, with the image-token dimension dynamic
+    capture  record each repeated block class's real inputs from real pipeline calls (families.py
+             says how a call of this pipeline class looks)
+    export   torch.export one block per class and weight layout, with the image-token dimension
+             dynamic (and the text-token one where the text length follows the prompt)
     compile  AOTInductor: one weights-less package per class (a few MB, no parameters inside)
     apply    every block of the class runs that one package, bound to the block's own weights
     graph    optional (`cuda_graphs`): each image size's step is captured once, then replayed (graphs.py)
@@ -84,6 +86,9 @@ log = logging.getLogger("compile")
 # Inputs are captured at this size (the shape hint Inductor tunes for; FLUX.1-dev's default size)
 # and once more at the smallest size, to find which input dimensions follow the image-token count.
 CAPTURE_SIZE = (1024, 1024)
+# A second capture prompt for families whose text length follows the prompt (families.py): longer
+# than "capture" by far more than any padding step, far shorter than max_sequence_length.
+LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
@@ -130,7 +135,7 @@ def capture(modules: dict[str, torch.nn.Module]):
 
 
 def capture_blocks(
-    pipe: Any, firsts: dict[str, torch.nn.Module], sizes: list[tuple[int, int]]
+    pipe: Any, firsts: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = "capture"
 ) -> list[dict[str, Call]]:
     """Capture every block group's inputs from one real pipeline call per size.
 
@@ -147,7 +152,7 @@ def capture_blocks(
     for height, width in sizes:
         image = row.capture_image(height, width)
         with capture(firsts) as calls:
-            pipe(**row.call(pipe, "capture", height, width, row.capture_steps, guidance, image), output_type="latent")
+            pipe(**row.call(pipe, prompt, height, width, row.capture_steps, guidance, image), output_type="latent")
         missing = sorted(set(firsts) - set(calls))
         if missing:
             raise RuntimeError(f"the pipeline call at {height}x{width} never called {', '.join(missing)}")
@@ -159,6 +164,7 @@ def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]
     """The `dynamic_shapes` spec for `torch.export.export`, covering every captured kwarg."""
     lo, hi = contract.resolution.token_range
     image = Dim("image_tokens", min=lo, max=hi)
+    text = Dim("text_tokens", min=contract.text_range[0], max=contract.text_range[1]) if contract.text_range else None
     specs = iter(contract.tensors)
 
     def dims(leaf):
@@ -167,7 +173,9 @@ def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]
         spec = next(specs)
         dynamic = {}
         for d, (s, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
-            if s is None:
+            if s is None and spec.text(d):
+                dynamic[d] = text + off if off else text
+            elif s is None:
                 scaled = image * spec.factor(d) if spec.factor(d) != 1 else image
                 dynamic[d] = scaled + off if off else scaled
         return dynamic or None
@@ -219,6 +227,8 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         sizes[1] = (resolution.max_side, resolution.max_side)
     firsts = {name: found[0] for name, found in blocks.items()}
     captures = capture_blocks(pipe, firsts, sizes)
+    row = family(type(pipe).__name__)
+    texts = capture_blocks(pipe, firsts, sizes[:1], LONG_PROMPT) if row.text_rule == "prompt" else None
     probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
     tokens = [resolution.tokens(*size) for size in sizes]
     classes = {}
@@ -227,7 +237,9 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         kwargs = calls[0][1]
         with torch.no_grad():
             reference = block(**kwargs)
-        classes[name] = (block, kwargs, contract_from_captures(name, calls, tokens, resolution), reference)
+        text_call = texts[0][name] if texts else None
+        contract = contract_from_captures(name, calls, tokens, resolution, text_call, row.text_range)
+        classes[name] = (block, kwargs, contract, reference)
 
     try:
         packages, fp8_notes = _compile_classes(classes, attention, fp8, options)

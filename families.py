@@ -9,8 +9,13 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
   output size first (`reference_kwargs` turn off the pipeline's own resizing), so the transformer
   sees `2 * tokens` image tokens: the reference's as many again. The exported dimension is then
   `2 * image_tokens + offset` (`blocks.contract_from_captures` finds the factor from the captures).
-* text tokens: every supported family pads the prompt to `max_sequence_length` (512), so the text
-  length is a constant of the compiled blocks; a prompt cut there gets a note in the UI.
+* text tokens (`text_rule`): FLUX.1, Kontext, Chroma and FLUX.2 pad the prompt to
+  `max_sequence_length` (512): the text length is a constant of the compiled blocks ("padded").
+  Qwen-Image's text length follows the prompt ("prompt"), and padding it would change the image: its
+  transformer attends to every text token it is given (no mask for a batch of one). So its text
+  length is a second dynamic dimension, found by capturing once more with a longer prompt, from
+  `MIN_TEXT_TOKENS` to `max_sequence_length`. A prompt cut at `max_sequence_length` gets a note in
+  the UI either way.
 
     >>> family("FluxPipeline").image_input
     'none'
@@ -39,6 +44,8 @@ class Family:
         functions of (height, width), so the reference's image tokens equal the output's.
     call_kwargs: fixed call arguments (the text length the blocks are compiled for).
     capture_steps: denoising steps of a capture call (>= 2 where one step gives NaN timesteps).
+    text_rule: "padded" (text length fixed at `max_sequence_length`) or "prompt" (it follows the
+        prompt: a dynamic dimension of `text_range`).
     tokenizer: the pipeline attribute whose tokenizer counts the prompt against
         `max_sequence_length` for the UI's truncation note; None: no note.
     """
@@ -55,11 +62,17 @@ class Family:
     call_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_sequence_length": 512})
     capture_steps: int = 1
     tokenizer: str | None = None
+    text_rule: str = "padded"
 
     @property
     def text_tokens(self) -> int:
-        """The text length the blocks are compiled for (`max_sequence_length`)."""
+        """The longest text the blocks take (`max_sequence_length`); with "padded", every text's length."""
         return self.call_kwargs["max_sequence_length"]
+
+    @property
+    def text_range(self) -> tuple[int, int] | None:
+        """(min, max) text tokens of a "prompt" family's dynamic text dimension; None when padded."""
+        return (MIN_TEXT_TOKENS, self.text_tokens) if self.text_rule == "prompt" else None
 
     def guided(self, pipe: Any) -> bool:
         """Whether this model takes guidance (the UI shows the slider and uses `steps`/`guidance`)."""
@@ -107,6 +120,9 @@ class Family:
         return Image.fromarray(pixels.to(torch.uint8).numpy())
 
 
+# The fewest text tokens a "prompt" family's blocks accept: torch.export specializes a dimension
+# of size 0 or 1. Qwen-Image's prompt template leaves at least 5 tokens after its system prompt.
+MIN_TEXT_TOKENS = 2
 _FLUX_GUIDED = ("transformer", "guidance_embeds", True)
 FAMILIES: dict[str, Family] = {
     f.pipeline: f
@@ -136,6 +152,19 @@ FAMILIES: dict[str, Family] = {
             guided_when=("pipeline", "is_distilled", False),
         ),
         Family("Flux2Pipeline", "FLUX.2", "guidance_scale", 50, 4.0),
+        # Qwen-Image: true classifier-free guidance against a negative prompt (its own text length);
+        # one-step calls give NaN timesteps with its scheduler, so captures run two steps.
+        Family(
+            "QwenImagePipeline",
+            "Qwen-Image",
+            "true_cfg_scale",
+            50,
+            4.0,
+            call_kwargs={"max_sequence_length": 512, "negative_prompt": " "},
+            capture_steps=2,
+            tokenizer="tokenizer",
+            text_rule="prompt",
+        ),
     )
 }
 # Pipelines a user may try, and why they are not served (yet).
@@ -147,10 +176,12 @@ UNSUPPORTED: dict[str, str] = {
     "StableDiffusion3Pipeline": "its transformer defines no `_repeated_blocks`",
     "SanaPipeline": "its transformer defines no `_repeated_blocks`",
     "HiDreamImagePipeline": "its transformer defines no `_repeated_blocks`",
-    "QwenImagePipeline": "its text length follows the prompt (a second dynamic dimension, not built yet)",
-    "QwenImageEditPipeline": "its text length follows the prompt and the input image (not built yet)",
-    "QwenImageEditPlusPipeline": "its text length follows the prompt and the input image (not built yet)",
-    "ZImagePipeline": "its text length follows the prompt (a second dynamic dimension, not built yet)",
+    "QwenImageEditPipeline": "its text length follows the input image's vision tokens too (not built yet)",
+    "QwenImageEditPlusPipeline": "its text length follows the input images' vision tokens too (not built yet)",
+    "ZImagePipeline": (
+        "its refiner and main blocks share one class and weight layout but see image-only and image + text "
+        "sequences, and its text joins the image tokens in one dimension (not built yet)"
+    ),
 }
 
 

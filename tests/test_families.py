@@ -15,10 +15,10 @@ from conftest import ROOT, TOLERANCE, Server
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from blocks import rel_error, repeated_blocks
+from blocks import contract_from_captures, rel_error, repeated_blocks
 from compile import load_pipeline, optimize_
 from families import FAMILIES, family
-from options import Options
+from options import Options, Resolution
 
 
 def pipeline_class(folder: str) -> str:
@@ -43,10 +43,10 @@ def input_image() -> Image.Image:
     return Image.fromarray(np.stack([pixels, 255 - pixels, pixels // 2], axis=-1).astype(np.uint8))
 
 
-def images(pipe, height: int, width: int, steps: int = 2) -> torch.Tensor:
+def images(pipe, height: int, width: int, steps: int = 2, prompt: str = "a red cat on a mat") -> torch.Tensor:
     row = family(type(pipe).__name__)
     image = input_image() if row.image_input == "required" else None
-    call = row.call(pipe, "a red cat on a mat", height, width, steps, row.defaults(pipe)[1], image)
+    call = row.call(pipe, prompt, height, width, steps, row.defaults(pipe)[1], image)
     return pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pt").images
 
 
@@ -76,6 +76,10 @@ def test_compiled_family_matches_eager_at_both_ends_and_non_square(folder, saved
         assert actual.shape == (1, 3, height, width)
         error = rel_error(actual, expected)
         assert error < TOLERANCE, f"{folder} {height}x{width}: rel. error {error:.2e}"
+    if family(pipeline_class(folder)).text_rule == "prompt":  # a text length other than the captured ones
+        prompt = "a long prompt about a red cat on a mat by the window " * 5
+        error = rel_error(images(compiled, 256, 512, prompt=prompt), images(eager, 256, 512, prompt=prompt))
+        assert error < TOLERANCE, f"{folder}, long prompt: rel. error {error:.2e}"
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
@@ -151,3 +155,27 @@ def test_blocks_of_one_class_with_two_weight_layouts_get_a_package_each():
     assert sorted(map(sorted, layouts.values())) == [[False], [True]], layouts
     # 2 main + 1 noise-refiner blocks are modulated, the 1 context-refiner block is not
     assert sorted(len(blocks) for blocks in groups.values()) == [1, 3]
+
+
+def test_text_length_that_follows_the_prompt_is_a_checked_dynamic_dimension():
+    # Qwen-Image's block inputs: image and text tokens in separate tensors, the rotary tables too.
+    def inputs(image, text):
+        return {"x": torch.zeros(1, image, 8), "text": torch.zeros(1, text, 8), "text_rope": torch.zeros(text, 4)}
+
+    resolution = Resolution(256, 512)
+    calls = [((), inputs(256, 14)), ((), inputs(1024, 14))]
+    contract = contract_from_captures("Block", calls, [256, 1024], resolution, ((), inputs(256, 83)), (2, 512))
+    assert [(s.path, s.shape, s.texts) for s in contract.tensors] == [
+        ("x", (1, None, 8), (False, False, False)),
+        ("text", (1, None, 8), (False, True, False)),
+        ("text_rope", (None, 4), (True, False)),
+    ]
+    contract.check(inputs(512, 300))
+    with pytest.raises(ValueError, match=r"compiled for 2\.\.512 text tokens; text has 600"):
+        contract.check(inputs(512, 600))
+    with pytest.raises(ValueError, match="text_rope has 20"):
+        contract.check({**inputs(512, 300), "text_rope": torch.zeros(20, 4)})
+    # FLUX's rotary table covers text + image tokens: with a text length that varies it follows both.
+    joint = [((), {"rope": torch.zeros(n + t, 4)}) for n, t in ((256, 14), (1024, 14), (256, 83))]
+    with pytest.raises(ValueError, match="follows both the image size and the prompt"):
+        contract_from_captures("Block", joint[:2], [256, 1024], resolution, joint[2], (2, 512))
