@@ -30,6 +30,7 @@ TINY = {
     "tiny-z-image": ("make_tiny_z_image", "ZImagePipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
     "tiny-qwen-image": ("make_tiny_qwen_image", "QwenImagePipeline", {"max_sequence_length": 64}, (1, 256, 16)),
     "tiny-qwen-image-edit": ("make_tiny_qwen_image_edit", "QwenImageEditPipeline", {"image": EDIT_IMAGE}, (1, 256, 16)),
+    "tiny-flux2-klein": ("make_tiny_flux2_klein", "Flux2KleinPipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
 }
 # transformers' Qwen2VLProcessor cannot be built or loaded without torchvision (its video processor needs it).
 NEEDS = {"tiny-qwen-image-edit": "torchvision"}
