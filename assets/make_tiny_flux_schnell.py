@@ -16,11 +16,12 @@ from tiny_common import main
 
 OUT = Path(__file__).parent / "tiny-flux-schnell"
 TRANSFORMER = {**TRANSFORMER, "guidance_embeds": False}
-# FLUX.1-schnell's scheduler_config.json differs from FLUX.1-dev's in these two fields (shift 1.0, static).
+# FLUX.1-schnell's scheduler_config.json differs from FLUX.1-dev's in these two fields (shift 1.0, static), as
+# quoted from the published configs in a public diffusers FLUX integration report.
 SCHEDULER = {**SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
 # black-forest-labs/FLUX.1-schnell transformer/config.json: diffusers' scripts/convert_flux_to_diffusers.py builds
 # it as FluxTransformer2DModel's defaults with num_layers=19, num_single_layers=38 and guidance_embeds=False
-# (no "guidance_in" weights in flux1-schnell.sft).
+# (no "guidance_in" weights in flux1-schnell.sft); Black Forest Labs' flux/src/flux/util.py has the same numbers.
 PUBLISHED_TRANSFORMER = dict(
     patch_size=1,
     in_channels=64,

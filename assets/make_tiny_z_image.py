@@ -38,7 +38,7 @@ TRANSFORMER = dict(
     rope_theta=256.0,
     t_scale=1000.0,
     axes_dims=[8, 4, 4],
-    axes_lens=[256, 32, 32],
+    axes_lens=[1536, 512, 512],  # Z-Image-Turbo's: the rotary tables bound the caption length and the image side
 )
 # Z-Image-Turbo's VAE is FLUX.1's: these are its scaling and shift factors.
 VAE = {**VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}

@@ -30,9 +30,12 @@ TINY = {
     "tiny-z-image": ("make_tiny_z_image", "ZImagePipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
     "tiny-qwen-image": ("make_tiny_qwen_image", "QwenImagePipeline", {"max_sequence_length": 64}, (1, 256, 16)),
     "tiny-qwen-image-edit": ("make_tiny_qwen_image_edit", "QwenImageEditPipeline", {"image": EDIT_IMAGE}, (1, 256, 16)),
+    "tiny-flux2-klein": ("make_tiny_flux2_klein", "Flux2KleinPipeline", {"max_sequence_length": 64}, (1, 4, 32, 32)),
+    "tiny-flux2": ("make_tiny_flux2", "Flux2Pipeline", {"max_sequence_length": 64}, (1, 256, 16)),
 }
-# transformers' Qwen2VLProcessor cannot be built or loaded without torchvision (its video processor needs it).
-NEEDS = {"tiny-qwen-image-edit": "torchvision"}
+# transformers' Qwen2VLProcessor (its video processor) and PixtralProcessor cannot be built or loaded without
+# torchvision.
+NEEDS = {"tiny-qwen-image-edit": "torchvision", "tiny-flux2": "torchvision"}
 SHIPPED = [name for name in TINY if (ASSETS / name / "model_index.json").is_file()]
 
 
