@@ -438,8 +438,8 @@ def load_pipeline(options: Options) -> Any:
     the probe: 35-48 s on the H200 host with torch 2.11).
 
     Raises:
-        RuntimeError: the model cannot be fetched, it is too large to run without CUDA, or an
-            explicit option cannot work here.
+        RuntimeError: the model cannot be fetched, it is too large to run without CUDA, its
+            pipeline needs a module that is not installed, or an explicit option cannot work here.
         ValueError: the pipeline class is not supported, or the side range does not fit the
             model's pixel step.
     """
@@ -461,7 +461,12 @@ def load_pipeline(options: Options) -> Any:
         check_push_target(options.push)
     index = _model_config(diffusers.DiffusionPipeline, options.model, None)
     pipeline_class = index.get("_class_name", "")
-    family(pipeline_class)  # refuses an unsupported class before any weight loads
+    row = family(pipeline_class)  # refuses an unsupported class before any weight loads
+    if row.missing():
+        raise RuntimeError(
+            f"{pipeline_class} needs {', '.join(row.missing())}, which is not installed: "
+            f"pip install {' '.join(row.missing())}"
+        )
     transformer_class = getattr(diffusers, index["transformer"][1])
     config = _model_config(transformer_class, options.model, "transformer")
     if device.type == "cpu":

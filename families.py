@@ -46,6 +46,8 @@ class Family:
     capture_steps: denoising steps of a capture call (>= 2 where one step gives NaN timesteps).
     text_rule: "padded" (text length fixed at `max_sequence_length`) or "prompt" (it follows the
         prompt: a dynamic dimension of `text_range`).
+    requires: Python modules the pipeline's components need beyond requirements.txt (FLUX.2 dev's
+        Pixtral processor needs torchvision); `missing()` names those not installed.
     tokenizer: the pipeline attribute whose tokenizer counts the prompt against
         `max_sequence_length` for the UI's truncation note; None: no note.
     """
@@ -63,6 +65,7 @@ class Family:
     capture_steps: int = 1
     tokenizer: str | None = None
     text_rule: str = "padded"
+    requires: tuple[str, ...] = ()
 
     @property
     def text_tokens(self) -> int:
@@ -73,6 +76,12 @@ class Family:
     def text_range(self) -> tuple[int, int] | None:
         """(min, max) text tokens of a "prompt" family's dynamic text dimension; None when padded."""
         return (MIN_TEXT_TOKENS, self.text_tokens) if self.text_rule == "prompt" else None
+
+    def missing(self) -> list[str]:
+        """The modules of `requires` that cannot be imported here."""
+        import importlib.util
+
+        return [name for name in self.requires if importlib.util.find_spec(name) is None]
 
     def guided(self, pipe: Any) -> bool:
         """Whether this model takes guidance (the UI shows the slider and uses `steps`/`guidance`)."""
@@ -151,7 +160,7 @@ FAMILIES: dict[str, Family] = {
             4.0,
             guided_when=("pipeline", "is_distilled", False),
         ),
-        Family("Flux2Pipeline", "FLUX.2", "guidance_scale", 50, 4.0),
+        Family("Flux2Pipeline", "FLUX.2", "guidance_scale", 50, 4.0, requires=("torchvision",)),
         # Qwen-Image: true classifier-free guidance against a negative prompt (its own text length);
         # one-step calls give NaN timesteps with its scheduler, so captures run two steps.
         Family(

@@ -27,7 +27,13 @@ def pipeline_class(folder: str) -> str:
 
 TINY = sorted(p.parent.name for p in (ROOT / "assets").glob("tiny-*/model_index.json"))
 # Supported families; tiny-flux (FLUX.1-dev) has its own tests (test_compile.py, test_app.py).
-FOLDERS = [f for f in TINY if pipeline_class(f) in FAMILIES and f != "tiny-flux"]
+FOLDERS = [
+    pytest.param(f, marks=pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}"))
+    for f in TINY
+    if pipeline_class(f) in FAMILIES and f != "tiny-flux"
+    for missing in [FAMILIES[pipeline_class(f)].missing()]
+]
+NEEDING = [f for f in TINY if pipeline_class(f) in FAMILIES and FAMILIES[pipeline_class(f)].missing()]
 UNSUPPORTED_FOLDERS = [f for f in TINY if pipeline_class(f) not in FAMILIES]
 SIDES = {"min_side": 256, "max_side": 512}
 SIZES = [(256, 256), (512, 512), (256, 512)]
@@ -129,6 +135,13 @@ def test_unsupported_pipeline_is_refused_at_startup_naming_what_is_supported(pip
 @pytest.mark.parametrize("folder", UNSUPPORTED_FOLDERS)
 def test_tiny_pipeline_of_a_family_not_built_yet_is_refused_before_its_weights_load(folder):
     with pytest.raises(ValueError, match=rf"{pipeline_class(folder)} is not supported: .*Supported pipelines"):
+        load_pipeline(Options(model=str(ROOT / "assets" / folder), device="cpu"))
+
+
+@pytest.mark.parametrize("folder", NEEDING)
+def test_family_whose_pipeline_needs_a_missing_module_says_which_at_startup(folder):
+    missing = FAMILIES[pipeline_class(folder)].missing()
+    with pytest.raises(RuntimeError, match=rf"needs {missing[0]}, which is not installed: pip install"):
         load_pipeline(Options(model=str(ROOT / "assets" / folder), device="cpu"))
 
 
