@@ -1,10 +1,12 @@
-"""FLUX with regionally AoT-compiled blocks, served by Gradio.
+"""A diffusion transformer with regionally AoT-compiled blocks, served by Gradio.
 
     python app.py                                 # FLUX.1-dev on a CUDA GPU
     MODEL_ID=assets/tiny-flux python app.py       # the bundled tiny pipeline, anywhere
     python app.py --no-compile                    # the eager pipeline, for comparison
 
-Every option of compile.py works here too (flag or environment variable; see README.md).
+What the UI offers (an input image for edit models, a guidance slider, default steps) comes from
+the pipeline's row in families.py. Every option of compile.py works here too (flag or environment
+variable; see README.md).
 """
 
 import argparse
@@ -17,9 +19,11 @@ from typing import Any
 import gradio as gr
 import spaces  # noqa: F401  (before torch: on ZeroGPU it patches torch before anything can touch CUDA)
 import torch
+from PIL import Image
 
 import replicas
 import zerogpu
+from families import family
 from options import Options
 
 # --- configuration ---------------------------------------------------------------------------
@@ -63,11 +67,15 @@ log = logging.getLogger("app")
 REPLICAS = replicas.start(OPTIONS)
 pipe = REPLICAS.pipes[0]  # the model's facts below are the same for every replica
 RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
-# Guidance-distilled transformers (FLUX.1-dev) take an embedded guidance scale; timestep-distilled
-# ones (FLUX.1-schnell, no guidance embedding) ignore it and need few steps.
-GUIDED = bool(pipe.transformer.config.guidance_embeds)
-DEFAULT_STEPS, DEFAULT_GUIDANCE = (28, 3.5) if GUIDED else (4, 0.0)
-TEXT_TOKENS = 512  # T5 sequence length the blocks are compiled for (FluxPipeline's max_sequence_length)
+# Guidance-distilled FLUX.1-dev takes a guidance scale; timestep-distilled schnell (no guidance
+# embedding) ignores it and needs few steps: `Family.guided` reads the config field that says so.
+FAMILY = family(type(pipe).__name__)  # what the UI offers and how a call looks (families.py)
+GUIDED = FAMILY.guided(pipe)
+DEFAULT_STEPS, DEFAULT_GUIDANCE = FAMILY.defaults(pipe)
+EDITS = FAMILY.image_input == "required"
+TEXT_TOKENS = FAMILY.text_tokens  # the text length the blocks are compiled for
+# Counts a prompt's tokens for the truncation note (None: the family names no tokenizer, no note).
+TOKENIZER = getattr(pipe, FAMILY.tokenizer) if FAMILY.tokenizer else None
 LORAS = ["none", *REPLICAS.adapters[0].names]  # what a request can pick (AOT_LORA_CHOICES)
 if OPTIONS.compile:
     REPORT = REPLICAS.reports[0]
@@ -104,16 +112,27 @@ def named(component: gr.components.Component) -> gr.components.Component:
 
 
 def check_request(
-    prompt: str, seed: int, width: int, height: int, steps: int, guidance: float, lora: str = "none"
+    prompt: str,
+    seed: int,
+    width: int,
+    height: int,
+    steps: int,
+    guidance: float,
+    lora: str = "none",
+    image: Image.Image | None = None,
 ) -> None:
     """Raise `gr.Error` saying what is allowed, before any GPU work.
 
     Gradio's sliders already refuse values outside their range (`named`); this also covers sizes
-    that are not multiples of 16, fractional values, prompts with nothing to read, and direct calls
-    of `generate`.
+    that are not multiples of 16, fractional values, prompts with nothing to read, a missing input
+    image for an edit model (or one for a text-to-image model), and direct calls of `generate`.
     """
     if not any(ch.isprintable() and not ch.isspace() for ch in prompt or ""):
         raise refuse("Enter a prompt (it has no visible character).")
+    if EDITS and image is None:
+        raise refuse(f"Upload an input image: {FAMILY.label} edits an image (it is resized to the output size).")
+    if not EDITS and image is not None:
+        raise refuse(f"{FAMILY.label} generates from text only: leave the input image empty.")
     for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed)):
         if value != int(value):
             raise refuse(f"{name}={value}: use a whole number.")
@@ -131,31 +150,36 @@ def check_request(
         raise refuse(f"lora={lora!r}: use one of {', '.join(LORAS)} (AOT_LORA_CHOICES lists what is offered).")
 
 
-def gpu_seconds(replica, prompt, seed, width, height, steps, guidance, lora) -> int:
+def gpu_seconds(replica, prompt, seed, width, height, steps, guidance, lora, image) -> int:
     """ZeroGPU duration for one request, in seconds: a new worker's setup + a LoRA switch + the steps,
-    the per-step time scaled by image tokens; at most `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
-    tokens = RESOLUTION.tokens(int(height), int(width))
+    the per-step time scaled by image tokens (twice as many with an input image); at most
+    `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
+    tokens = RESOLUTION.tokens(int(height), int(width)) * (2 if image is not None else 1)
     steps_s = steps * SECONDS_PER_STEP_AT_4096_TOKENS * tokens / 4096
     switch_s = LORA_SWITCH_SECONDS if len(LORAS) > 1 else 0
     return min(MAX_GPU_SECONDS, math.ceil(NEW_WORKER_SECONDS + switch_s + steps_s))
 
 
-def infer(replica: int, prompt: str, seed: int, width: int, height: int, steps: int, guidance: float, lora: str):
+def infer(
+    replica: int,
+    prompt: str,
+    seed: int,
+    width: int,
+    height: int,
+    steps: int,
+    guidance: float,
+    lora: str,
+    image: Image.Image | None,
+):
     """(On the GPU.) One image as a PIL image, from replica number `replica` running LoRA `lora`
-    ("none": the base weights). The pipelines reach a ZeroGPU worker through fork (`REPLICAS`), never
-    as arguments; so do their LoRAs, written into the worker's weights in place (lora.Adapters)."""
+    ("none": the base weights); `image` is the input image of an edit model (a small PIL image,
+    pickled), else None. The pipelines reach a ZeroGPU worker through fork (`REPLICAS`), never as
+    arguments; so do their LoRAs, written into the worker's weights in place (lora.Adapters)."""
     pipe = REPLICAS.pipes[replica]
     REPLICAS.adapters[replica].use(None if lora == "none" else lora)
     generator = torch.Generator(device=pipe.device).manual_seed(seed)
-    return pipe(
-        prompt=prompt,
-        width=width,
-        height=height,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        max_sequence_length=TEXT_TOKENS,
-        generator=generator,
-    ).images[0]
+    call = FAMILY.call(pipe, prompt, height, width, steps, guidance, image)
+    return pipe(**call, generator=generator).images[0]
 
 
 infer = zerogpu.gpu(infer, duration=gpu_seconds, size=OPTIONS.gpu_size)
@@ -170,29 +194,33 @@ def generate(
     num_inference_steps: int,
     guidance_scale: float,
     lora: str = "none",
+    image: Image.Image | None = None,
     progress=gr.Progress(track_tqdm=True),  # noqa: B008 (gradio injects it)
 ):
     """Generate one image with LoRA `lora` (one of `LORAS`; "none" by default); returns (PIL image,
     seed used, notes). Invalid input raises `gr.Error`.
 
+    `image` is the input image of an edit model (required there, refused elsewhere). `lora` and
+    `image` are the last arguments, optional, so text-only API clients call `/generate` as before.
+
     notes says what was generated (size, steps, seed: the UI's sliders round a typed value to their
     step without a word) and what the request did not get as asked (a prompt cut to the text length
     the blocks are compiled for), so that API clients learn it too, not only the UI's toast.
     """
-    check_request(prompt, seed, width, height, num_inference_steps, guidance_scale, lora)
+    check_request(prompt, seed, width, height, num_inference_steps, guidance_scale, lora, image)
     seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
     notes = f"{int(width)}x{int(height)} px, {int(num_inference_steps)} steps, seed {seed}."
     if lora != "none":
         notes += f" LoRA: {lora}."
-    if len(pipe.tokenizer_2(prompt).input_ids) > TEXT_TOKENS:
-        cut = f"The prompt is longer than {TEXT_TOKENS} T5 tokens; the rest was ignored."
+    if TOKENIZER is not None and len(TOKENIZER(prompt).input_ids) > TEXT_TOKENS:
+        cut = f"The prompt is longer than {TEXT_TOKENS} text tokens; the rest was ignored."
         gr.Warning(cut)
         notes += " " + cut
     with REPLICAS.take() as replica:
         start = time.perf_counter()
         log.info("replica %d started a request", replica)
-        size, steps_ = (int(width), int(height)), int(num_inference_steps)
-        image = infer(replica, prompt, seed, *size, steps_, float(guidance_scale), lora)
+        args = int(width), int(height), int(num_inference_steps), float(guidance_scale), lora, image
+        output = infer(replica, prompt, seed, *args)
         log.info(
             "replica %d served %sx%s, %s steps in %.1f s",
             replica,
@@ -201,16 +229,19 @@ def generate(
             num_inference_steps,
             time.perf_counter() - start,
         )
-    return image, seed, notes
+    return output, seed, notes
 
 
 # --- UI ---------------------------------------------------------------------------------------
-with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
-    gr.Markdown(f"# FLUX, compiled ahead of time\n`{OPTIONS.model}` · {STATUS}")
+with gr.Blocks(title=f"{FAMILY.label}, compiled ahead of time") as demo:
+    gr.Markdown(f"# {FAMILY.label}, compiled ahead of time\n`{OPTIONS.model}` · {STATUS}")
     with gr.Row():
-        prompt = gr.Textbox(label="Prompt", placeholder="Describe the image", scale=4, max_lines=4)
+        placeholder = "Describe the edit" if EDITS else "Describe the image"
+        prompt = gr.Textbox(label="Prompt", placeholder=placeholder, scale=4, max_lines=4)
         run = gr.Button("Generate", variant="primary", scale=1)
-    result = gr.Image(label="Result", format="png")
+    with gr.Row():
+        input_image = gr.Image(label="Input image", type="pil", visible=EDITS)
+        result = gr.Image(label="Result", format="png")
     notes = gr.Markdown()
     # The seed used goes to the API and into `notes`, not back into the Seed slider: outputs of a
     # refused request show an error badge, which on the slider read as "this seed is wrong".
@@ -231,7 +262,7 @@ with gr.Blocks(title="FLUX, compiled ahead of time") as demo:
     gr.on(
         triggers=[run.click, prompt.submit],
         fn=generate,
-        inputs=[prompt, seed, randomize_seed, width, height, steps, guidance, lora],
+        inputs=[prompt, seed, randomize_seed, width, height, steps, guidance, lora, input_image],
         outputs=[result, seed_used, notes],
         api_name="generate",
     )

@@ -25,8 +25,17 @@ ready s is the startup compile in a worker plus applying its packages here; then
 gradio_client: the first request on a new worker, warm requests, and the step as the worker runs it.
 It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last.
 
+`--family NAME` measures another family at its published transformer shapes: the tiny pipeline
+assets/tiny-NAME/ with its transformer replaced by one built from `PUBLISHED_TRANSFORMER` in
+assets/make_tiny_NAME.py (dashes as underscores) with seeded random bf16 weights, a VAE with that
+transformer's latent channels, and the tiny text encoders' outputs widened to the transformer's
+text widths (seeded random values, the same in every scenario): the text encoders do not matter
+for the transformer's step, which is what is measured. `--layers N` cuts every block stack to N
+blocks and `--heads N` the attention heads to N (a smoke run on a CPU).
+
     python bench.py                              # everything, 1024x1024, 28 steps
     python bench.py --scenarios eager,aot --steps 8
+    python bench.py --family z-image --scenarios eager,all --steps 8
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import torch
 
 from blocks import probe_cpu_isa_in_background, rel_error, repeated_blocks, wait_for_cpu_isa_probe
 from compile import capture, capture_blocks, load_pipeline, optimize_
+from families import family
 from graphs import graph_step_
 from options import Options
 
@@ -158,23 +168,43 @@ def random_flux_dev(device: str):
 
 
 def random_flux_dev_on_cpu():
-    """`random_flux_dev`'s pipeline built on the CPU in seconds: no initializers run (17B values
-    through torch's serial CPU generator took minutes), every weight is cut from one seeded pool of
-    uniform values scaled by 1/sqrt(fan-in); 1-d weights (norm scales) are 1, biases 0, buffers are
-    the modules' own. Other random weights than `random_flux_dev`'s: for timings, not for errors."""
+    """`random_flux_dev`'s pipeline built on the CPU in seconds, its weights from `fill_random_` (no
+    initializers run: 17B values through torch's serial CPU generator took minutes). Other random
+    weights than `random_flux_dev`'s: for timings, not for errors."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
         pipe = random_flux_dev("cpu")
+    fill_random_([pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae], "cpu")
+    return pipe
+
+
+# Block stacks `--layers` cuts, and the transformer inputs that carry text embeddings, by the
+# transformer config field that gives their width (FLUX.1, Chroma, FLUX.2, Qwen-Image; Z-Image).
+LAYER_FIELDS = ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers")
+HEAD_FIELDS = ("num_attention_heads", "n_heads", "n_kv_heads")
+TEXT_WIDTHS = {
+    "encoder_hidden_states": "joint_attention_dim",
+    "pooled_projections": "pooled_projection_dim",
+    "cap_feats": "cap_feat_dim",
+}
+
+
+def fill_random_(modules: list[torch.nn.Module], device: str) -> None:
+    """Give every meta-device parameter of `modules` a value on `device`, in seconds at any size:
+    2-d and larger weights are cut from one seeded pool of uniform values scaled by 1/sqrt(fan-in)
+    (10B+ values through torch's serial CPU generator take minutes), 1-d weights (norm scales) are 1,
+    biases 0. Buffers stay the modules' own."""
     size = 2**24
-    pool = (torch.rand(size, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(torch.bfloat16).repeat(2)
+    generator = torch.Generator(device).manual_seed(0)
+    pool = (torch.rand(size, generator=generator, device=device) * 2 - 1).to(torch.bfloat16).repeat(2)
     start = 0
-    for component in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
+    for component in modules:
         for module in component.modules():
             for name, param in list(module._parameters.items()):
                 if param is None or param.device.type != "meta":
                     continue
-                value = torch.empty(param.shape, dtype=param.dtype)
+                value = torch.empty(param.shape, dtype=param.dtype, device=device)
                 if param.dim() >= 2:
                     flat = value.view(-1)
                     for begin in range(0, flat.numel(), size):
@@ -185,13 +215,94 @@ def random_flux_dev_on_cpu():
                 else:
                     value.fill_(1.0 if name == "weight" else 0.0)
                 module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
-    return pipe
+
+
+def family_pipeline(name: str, device: str, layers: int | None = None, heads: int | None = None):
+    """assets/tiny-`name`/ with a transformer of the family's published shapes (random bf16 weights).
+
+    The script assets/make_tiny_<name>.py gives `PUBLISHED_TRANSFORMER` (FLUX.1-dev: this file's
+    `TRANSFORMER`). The VAE is rebuilt with the latent channels that transformer reads (its
+    `in_channels` over the tiny pair's ratio: 4 for 2x2-packed FLUX latents); the text encoders'
+    outputs are widened by a forward pre-hook on the transformer (`TEXT_WIDTHS`). `layers` and
+    `heads` cut the block stacks and the attention heads (the width: heads x head dim) for a smoke
+    run on a CPU.
+
+    Raises:
+        ValueError: no such tiny pipeline, or its script has no `PUBLISHED_TRANSFORMER`.
+    """
+    import importlib
+
+    from accelerate import init_empty_weights
+    from diffusers import DiffusionPipeline
+
+    folder = ROOT / "assets" / f"tiny-{name}"
+    if not (folder / "model_index.json").is_file():
+        found = sorted(p.name.removeprefix("tiny-") for p in (ROOT / "assets").glob("tiny-*/model_index.json"))
+        raise ValueError(f"--family {name}: no assets/tiny-{name}/; families here: {', '.join(found)}")
+    sys.path.insert(0, str(ROOT / "assets"))
+    script = importlib.import_module(f"make_tiny_{name.replace('-', '_')}")
+    published = TRANSFORMER if name == "flux" else getattr(script, "PUBLISHED_TRANSFORMER", None)
+    if published is None:
+        raise ValueError(f"--family {name}: {script.__file__} defines no PUBLISHED_TRANSFORMER")
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    config = dict(published)
+    if layers is not None:
+        config.update({field: layers for field in LAYER_FIELDS if field in config})
+    if heads is not None:
+        if "dim" in config:  # Z-Image: the width is its own field
+            config["dim"] = config["dim"] // config["n_heads"] * heads
+        config.update({field: heads for field in HEAD_FIELDS if field in config})
+    tiny_channels, vae_config = pipe.transformer.config.in_channels, dict(pipe.vae.config)
+    latent_field = "z_dim" if "z_dim" in vae_config else "latent_channels"
+    per_latent = tiny_channels // vae_config[latent_field]
+    with init_empty_weights(include_buffers=False):
+        transformer = type(pipe.transformer).from_config(config).to(torch.bfloat16)
+        vae_config[latent_field] = config["in_channels"] // per_latent
+        for stat in ("latents_mean", "latents_std"):  # Qwen-Image's VAE: one value per channel
+            if isinstance(vae_config.get(stat), list):
+                vae_config[stat] = (vae_config[stat] * vae_config[latent_field])[: vae_config[latent_field]]
+        vae = type(pipe.vae).from_config(vae_config).to(torch.bfloat16)
+    fill_random_([transformer, vae], device)
+    pipe.transformer, pipe.vae = transformer.eval(), vae.eval()
+    widths = {key: config[field] for key, field in TEXT_WIDTHS.items() if field in config}
+    transformer.register_forward_pre_hook(_widen_text(widths, device), with_kwargs=True)
+    return pipe.to(device)
+
+
+def _widen_text(widths: dict[str, int], device: str):
+    """A forward pre-hook replacing text-embedding inputs narrower than `widths` by seeded random
+    values of the right width, one fixed tensor per shape (the same in every process)."""
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def widen(tensor: torch.Tensor, width: int) -> torch.Tensor:
+        key = (*tensor.shape[:-1], width)
+        if key not in cache:
+            generator = torch.Generator(device).manual_seed(sum(key))
+            cache[key] = torch.randn(key, generator=generator, device=device).to(tensor.dtype)
+        return cache[key]
+
+    def hook(module, args, kwargs):
+        for name, width in widths.items():
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.shape[-1] != width:
+                kwargs[name] = widen(value, width)
+            elif isinstance(value, list) and value and value[0].shape[-1] != width:
+                kwargs[name] = [widen(v, width) for v in value]
+        return args, kwargs
+
+    return hook
+
+
+def pipe_call(pipe, size: int, steps: int) -> dict:
+    """The keyword arguments of the app's call at size x size (families.py): an input image for edit families."""
+    row = family(type(pipe).__name__)
+    return row.call(pipe, PROMPTS[0], size, size, steps, row.defaults(pipe)[1], row.capture_image(size, size))
 
 
 def step_inputs(pipe, size: int) -> dict:
     """The transformer's real inputs for one denoising step at size x size."""
     with capture({"transformer": pipe.transformer}) as calls:
-        pipe(PROMPTS[0], height=size, width=size, num_inference_steps=1, output_type="latent")
+        pipe(**pipe_call(pipe, size, 1), output_type="latent")
     return calls["transformer"][1]
 
 
@@ -240,10 +351,7 @@ def generate(pipe, size: int, steps: int) -> tuple[float, torch.Tensor]:
     sync()
     start = time.perf_counter()
     pipe(
-        PROMPTS[0],
-        height=size,
-        width=size,
-        num_inference_steps=steps,
+        **pipe_call(pipe, size, steps),
         generator=torch.Generator(pipe.device).manual_seed(0),
         callback_on_step_end=keep_latents,
     )
@@ -276,7 +384,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
         with torch.no_grad():
             graphed(**kwargs)  # capture, then the replay check
             if graphed.graphs and not graphed.failed:
-                changed = ("hidden_states", "encoder_hidden_states", "timestep")
+                changed = [n for n in ("hidden_states", "encoder_hidden_states", "timestep") if n in kwargs]
                 other = {**kwargs, **{n: torch.randn_like(kwargs[n]) for n in changed}}
                 row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
                 row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
@@ -294,6 +402,10 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
 def build(args, load: str | None = None):
     """The pipeline to measure, loaded as `load_pipeline` loads it: with the CPU ISA probe a compile
     needs running beside, unless packages are to be loaded from `load` (a warm start)."""
+    if args.family:
+        if not load:
+            probe_cpu_isa_in_background()
+        return family_pipeline(args.family, "cuda" if torch.cuda.is_available() else "cpu", args.layers, args.heads)
     if args.model == RANDOM:
         if not load:
             probe_cpu_isa_in_background()
@@ -558,13 +670,18 @@ def _free_port() -> int:
 
 
 def _shared_flags(args) -> list[str]:
-    return ["--model", args.model, "--size", str(args.size), "--steps", str(args.steps), "--work", args.work]
+    flags = ["--model", args.model, "--size", str(args.size), "--steps", str(args.steps), "--work", args.work]
+    flags += ["--family", args.family] if args.family else []
+    flags += ["--layers", str(args.layers)] if args.layers is not None else []
+    return flags + (["--heads", str(args.heads)] if args.heads is not None else [])
 
 
 def table(rows: list[dict], args) -> str:
     eager = next(r for r in rows if r["scenario"] == "eager" and "error" not in r)
     lines = [
-        f"{args.size}x{args.size}, {args.steps} steps, batch 1",
+        f"{args.family or args.model}: {args.size}x{args.size}, {args.steps} steps, batch 1"
+        + (f", {args.layers} layer(s) per stack" if args.layers is not None else "")
+        + (f", {args.heads} head(s)" if args.heads is not None else ""),
         "| scenario | step ms | speedup | without CUDA graphs | s / image | ready s | ISA probe s | peak GiB "
         "| rel. error vs eager |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -618,8 +735,19 @@ def table(rows: list[dict], args) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [n for group in GROUPS for n in group]
-    parser.add_argument("--scenarios", default=",".join(names), help=f"comma-separated, from: {', '.join(names)}")
+    parser.add_argument(
+        "--scenarios",
+        default=None,
+        help=f"comma-separated, from: {', '.join(names)} (default: all of them; with --family all but warm, zerogpu)",
+    )
     parser.add_argument("--model", default=RANDOM, help="pipeline to measure (default: FLUX.1-dev shapes, random)")
+    parser.add_argument(
+        "--family",
+        default=None,
+        help="measure assets/tiny-FAMILY/ at its published transformer shapes, random weights (e.g. z-image)",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="with --family: blocks per stack (a smoke run)")
+    parser.add_argument("--heads", type=int, default=None, help="with --family: attention heads (a smoke run)")
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--logs", default=None, help="folder for each group's log (default: a temporary one)")
@@ -629,11 +757,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker.split(","), args)
         return 0
-    wanted = args.scenarios.split(",")
+    family_names = [n for n in names if n not in ("warm", "zerogpu")]
+    wanted = args.scenarios.split(",") if args.scenarios else family_names if args.family else names
     if "eager" not in wanted or any(n not in names for n in wanted):
         parser.error(f"--scenarios: include eager; choose from {', '.join(names)}")
     if "warm" in wanted and "all" not in wanted:
         parser.error("--scenarios: warm starts from the packages `all` saves; add all")
+    if args.family and ({"warm", "zerogpu"} & set(wanted)):
+        parser.error("--family measures eager, aot, aot+fa3, aot+fp8 and all; warm and zerogpu run FLUX.1-dev")
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         logs = Path(args.logs or work)
@@ -645,7 +776,9 @@ def main(argv: list[str] | None = None) -> int:
             if chosen:
                 rows += run_group(chosen, args, logs)
     print(table(rows, args))
-    print(json.dumps({**environment(), "size": args.size, "steps": args.steps, "rows": rows}))
+    shape = {"family": args.family or args.model, "layers": args.layers, "heads": args.heads}
+    shape.update(size=args.size, steps=args.steps)
+    print(json.dumps({**environment(), **shape, "rows": rows}))
     return 0
 
 

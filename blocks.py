@@ -37,10 +37,20 @@ class TensorSpec:
     """What a compiled block accepts for one tensor input: shape with dynamic dims, dtype, device."""
 
     path: str
-    shape: tuple[int | None, ...]  # None: this dim is image tokens + offsets[dim]
+    shape: tuple[int | None, ...]  # None: this dim is factors[dim] * image tokens + offsets[dim]
     offsets: tuple[int, ...]
     dtype: torch.dtype
     device: str
+    factors: tuple[int, ...] = ()  # () reads as 1 for every dim (packages saved before edit families)
+    texts: tuple[bool, ...] = ()  # True: this None dim is text tokens + offsets[dim]; () reads as none
+
+    def factor(self, dim: int) -> int:
+        """Image tokens per unit of dim `dim` (2 where an edit family's reference image adds as many)."""
+        return self.factors[dim] if self.factors else 1
+
+    def text(self, dim: int) -> bool:
+        """Whether dynamic dim `dim` follows the text tokens (Qwen-Image) instead of the image tokens."""
+        return bool(self.texts) and self.texts[dim]
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class Contract:
     tensors: tuple[TensorSpec, ...]
     constants: tuple[Any, ...]  # captured non-tensor leaves; must be equal at every call
     resolution: Resolution
+    text_range: tuple[int, int] | None = None  # (min, max) text tokens where the text length is dynamic
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able description (for `packages.save_packages`); the resolution is stored beside it."""
@@ -62,21 +73,34 @@ class Contract:
                     "path": t.path,
                     "shape": list(t.shape),
                     "offsets": list(t.offsets),
+                    "factors": [t.factor(d) for d in range(len(t.shape))],
+                    "texts": [t.text(d) for d in range(len(t.shape))],
                     "dtype": dtype_name(t.dtype),
                     "device": t.device,
                 }
                 for t in self.tensors
             ],
             "constants": list(self.constants),
+            "text_range": list(self.text_range) if self.text_range else None,
         }
 
     @classmethod
     def from_json(cls, block: str, data: dict[str, Any], resolution: Resolution) -> Contract:
         tensors = tuple(
-            TensorSpec(t["path"], tuple(t["shape"]), tuple(t["offsets"]), parse_dtype(t["dtype"]), t["device"])
+            TensorSpec(
+                t["path"],
+                tuple(t["shape"]),
+                tuple(t["offsets"]),
+                parse_dtype(t["dtype"]),
+                t["device"],
+                tuple(t.get("factors", ())),
+                tuple(bool(x) for x in t.get("texts", ())),
+            )
             for t in data["tensors"]
         )
-        return cls(block, pytree.treespec_loads(data["tree"]), tensors, tuple(data["constants"]), resolution)
+        text_range = tuple(data["text_range"]) if data.get("text_range") else None
+        tree = pytree.treespec_loads(data["tree"])
+        return cls(block, tree, tensors, tuple(data["constants"]), resolution, text_range)
 
     def check(self, kwargs: dict[str, Any]) -> None:
         """Raise `ValueError` naming what differs from the compiled inputs."""
@@ -85,7 +109,7 @@ class Contract:
             raise ValueError(f"{self.block} was compiled for inputs {self.tree}; got {tree}")
         tensors = iter(self.tensors)
         constants = iter(self.constants)
-        tokens = None
+        tokens = text = None
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 expected = next(constants)
@@ -99,11 +123,20 @@ class Contract:
                     f"{spec.device}; got {leaf.dim()}-d {leaf.dtype} on {leaf.device.type}"
                 )
             for dim, (want, have) in enumerate(zip(spec.shape, leaf.shape, strict=True)):
-                if want is None:
-                    have_tokens = have - spec.offsets[dim]
+                if want is None and spec.text(dim):
+                    have_text = have - spec.offsets[dim]
+                    text = have_text if text is None else text
+                    lo, hi = self.text_range
+                    if have_text != text or not lo <= have_text <= hi:
+                        raise ValueError(
+                            f"{self.block} was compiled for {lo}..{hi} text tokens; "
+                            f"{spec.path} has {have_text} (shape {tuple(leaf.shape)})"
+                        )
+                elif want is None:
+                    have_tokens, rest = divmod(have - spec.offsets[dim], spec.factor(dim))
                     tokens = have_tokens if tokens is None else tokens
                     lo, hi = self.resolution.token_range
-                    if have_tokens != tokens or not lo <= have_tokens <= hi:
+                    if rest or have_tokens != tokens or not lo <= have_tokens <= hi:
                         raise ValueError(
                             f"{self.block} was compiled for {self.resolution.describe()}; "
                             f"{spec.path} has {have_tokens} image tokens (shape {tuple(leaf.shape)})"
@@ -116,48 +149,89 @@ class Contract:
 
 
 def _shape_str(spec: TensorSpec) -> str:
-    dims = [
-        ("T" if not off else f"T+{off}") if d is None else str(d)
-        for d, off in zip(spec.shape, spec.offsets, strict=True)
-    ]
+    dims = []
+    for i, (d, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+        if d is not None:
+            dims.append(str(d))
+            continue
+        scaled = "T" if spec.factor(i) == 1 else f"{spec.factor(i)}T"
+        dims.append(f"{scaled}+{off}" if off else scaled)
     return "[" + ", ".join(dims) + "], T = image tokens"
 
 
-def contract_from_captures(block: str, calls: list[Call], tokens: list[int], resolution: Resolution) -> Contract:
-    """Find the inputs that follow the image-token count by comparing captures at two sizes.
+def contract_from_captures(
+    block: str,
+    calls: list[Call],
+    tokens: list[int],
+    resolution: Resolution,
+    text_call: Call | None = None,
+    text_range: tuple[int, int] | None = None,
+) -> Contract:
+    """Find the inputs that follow the image-token count by comparing captures at two sizes, and
+    with `text_call` (a capture at the first size with a longer prompt) those that follow the text.
 
-    A dimension that changes between the captures must equal image tokens plus a constant offset
-    (`image_rotary_emb` covers text + image tokens); every other dimension is fixed.
+    A dimension that changes between the size captures must equal a whole factor times the image
+    tokens plus a constant offset: `image_rotary_emb` covers text + image tokens (factor 1, offset =
+    text length); an edit family's `hidden_states` holds the output's and the same-sized reference's
+    tokens (factor 2, families.py). A dimension that changes only with the prompt is text tokens plus
+    an offset: the first such dimension defines the text-token count (offset 0), the others must
+    change by as much, and every call must give `text_range[0]..text_range[1]` text tokens. Every
+    other dimension is fixed.
 
     Raises:
-        ValueError: the captures differ in structure or in a way the rule cannot describe.
+        ValueError: the captures differ in structure or in a way the rule cannot describe (a dim
+            that follows both the image and the text).
     """
     (_, first), (_, second) = calls
     leaves_a, tree = pytree.tree_flatten_with_path(first)
     leaves_b, tree_b = pytree.tree_flatten_with_path(second)
-    if tree != tree_b:
-        raise ValueError(f"{block}: inputs differ in structure between captures: {tree} vs {tree_b}")
-    specs, constants = [], []
-    for (path, a), (_, b) in zip(leaves_a, leaves_b, strict=True):
+    leaves_c, tree_c = pytree.tree_flatten_with_path(text_call[1] if text_call else first)
+    if tree != tree_b or tree != tree_c:
+        raise ValueError(f"{block}: inputs differ in structure between captures: {tree} vs {tree_b} vs {tree_c}")
+    specs, constants, text = [], [], None  # text: (first text dim's value in `first`, in `text_call`)
+    for (path, a), (_, b), (_, c) in zip(leaves_a, leaves_b, leaves_c, strict=True):
         name = _path_name(path)
         if not isinstance(a, torch.Tensor):
             constants.append(a)
             continue
-        shape, offsets = [], []
-        for dim, (da, db) in enumerate(zip(a.shape, b.shape, strict=True)):
-            if da == db:
+        shape, offsets, factors, texts = [], [], [], []
+        for dim, (da, db, dc) in enumerate(zip(a.shape, b.shape, c.shape, strict=True)):
+            factor, rest = divmod(da - db, tokens[0] - tokens[1])
+            if da != db and dc != da:
+                raise ValueError(
+                    f"{block}: {name} dim {dim} follows both the image size and the prompt ({da}, {db}, {dc}): "
+                    "one dynamic dimension per input dim is supported"
+                )
+            if dc != da:
+                text = text or (da, dc)
+                if dc - da != text[1] - text[0]:
+                    raise ValueError(
+                        f"{block}: {name} dim {dim} changes with the prompt by {dc - da}, not {text[1] - text[0]}"
+                    )
+                shape.append(None)
+                offsets.append(da - text[0])
+                factors.append(1)
+                texts.append(True)
+            elif da == db:
                 shape.append(da)
                 offsets.append(0)
-            elif da - tokens[0] == db - tokens[1]:
+                factors.append(1)
+                texts.append(False)
+            elif not rest and factor >= 1:
                 shape.append(None)
-                offsets.append(da - tokens[0])
+                offsets.append(da - factor * tokens[0])
+                factors.append(factor)
+                texts.append(False)
             else:
                 raise ValueError(
                     f"{block}: {name} dim {dim} is {da} at {tokens[0]} image tokens and {db} at {tokens[1]}: "
-                    "not image tokens plus a constant, so one dynamic graph cannot serve both"
+                    "not a whole multiple of the image tokens plus a constant, so one dynamic graph cannot serve both"
                 )
-        specs.append(TensorSpec(name, tuple(shape), tuple(offsets), a.dtype, a.device.type))
-    return Contract(block, pytree.tree_structure(first), tuple(specs), tuple(constants), resolution)
+        specs.append(
+            TensorSpec(name, tuple(shape), tuple(offsets), a.dtype, a.device.type, tuple(factors), tuple(texts))
+        )
+    text_range = text_range if text is not None else None
+    return Contract(block, pytree.tree_structure(first), tuple(specs), tuple(constants), resolution, text_range)
 
 
 def _path_name(path: tuple) -> str:
@@ -451,7 +525,12 @@ def check_constants(block: torch.nn.Module, package: BlockPackage, index: int) -
 
 
 def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    """The transformer's repeated blocks by class name, from `transformer._repeated_blocks`.
+    """The transformer's repeated blocks, one group per block class and weight layout.
+
+    Classes come from `transformer._repeated_blocks`. A package is bound to the weights of every
+    block in its group, so blocks of one class whose parameters differ in names or shapes get a
+    group each (Z-Image's blocks with and without modulation weights): named by the class when it
+    has one layout, else `<class>-1`, `<class>-2`, ... in model order.
 
     Raises:
         ValueError: the attribute is missing, or a listed class has no instance in the model.
@@ -469,7 +548,17 @@ def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Mod
             f"{type(transformer).__name__}._repeated_blocks lists {', '.join(empty)}, "
             "but the model has no block of that class"
         )
-    return found
+    groups = {}
+    for name, blocks in found.items():
+        layouts: dict[tuple, list[torch.nn.Module]] = {}
+        for block in blocks:
+            layout = tuple((n, tuple(t.shape)) for n, t in block.state_dict(keep_vars=True).items())
+            layouts.setdefault(layout, []).append(block)
+        if len(layouts) == 1:
+            groups[name] = blocks
+        else:
+            groups.update({f"{name}-{i}": group for i, group in enumerate(layouts.values(), start=1)})
+    return groups
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Regional ahead-of-time (AoT) compilation of a FLUX transformer, as the recipe's verbs.
+"""Regional ahead-of-time (AoT) compilation of a diffusion transformer, as the recipe's verbs.
 
-    capture  record each repeated block class's real inputs from real pipeline calls
-    export   torch.export one block per class, with the image-token dimension dynamic
+    capture  record each repeated block class's real inputs from real pipeline calls (families.py
+             says how a call of this pipeline class looks)
+    export   torch.export one block per class and weight layout, with the image-token dimension
+             dynamic (and the text-token one where the text length follows the prompt)
     compile  AOTInductor: one weights-less package per class (a few MB, no parameters inside)
     apply    every block of the class runs that one package, bound to the block's own weights
     graph    optional (`cuda_graphs`): each image size's step is captured once, then replayed (graphs.py)
@@ -63,6 +65,7 @@ from blocks import (
     repeated_blocks,
     wait_for_cpu_isa_probe,
 )
+from families import family
 from fast_paths import (
     FP8_MAX_REL_ERROR,
     FP8_MIN_FEATURES,
@@ -84,6 +87,9 @@ log = logging.getLogger("compile")
 # Inputs are captured at this size (the shape hint Inductor tunes for; FLUX.1-dev's default size)
 # and once more at the smallest size, to find which input dimensions follow the image-token count.
 CAPTURE_SIZE = (1024, 1024)
+# A second capture prompt for families whose text length follows the prompt (families.py): longer
+# than "capture" by far more than any padding step, far shorter than max_sequence_length.
+LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
@@ -130,17 +136,24 @@ def capture(modules: dict[str, torch.nn.Module]):
 
 
 def capture_blocks(
-    pipe: Any, firsts: dict[str, torch.nn.Module], sizes: list[tuple[int, int]]
+    pipe: Any, firsts: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = "capture"
 ) -> list[dict[str, Call]]:
-    """Capture every block class's inputs from one real one-step pipeline call per size.
+    """Capture every block group's inputs from one real pipeline call per size.
+
+    Each call is the one the app makes (`families.Family.call`: keyword arguments, the family's
+    text length, guidance where the model takes it, an input image of the output size for an edit
+    family), with the family's `capture_steps`, stopped at latents.
 
     Raises:
-        RuntimeError: a block class was not called by the pipeline.
+        RuntimeError: a block group was not called by the pipeline.
     """
+    row = family(type(pipe).__name__)
+    steps, guidance = row.defaults(pipe)
     captured = []
     for height, width in sizes:
+        image = row.capture_image(height, width)
         with capture(firsts) as calls:
-            pipe("capture", height=height, width=width, num_inference_steps=1, output_type="latent")
+            pipe(**row.call(pipe, prompt, height, width, row.capture_steps, guidance, image), output_type="latent")
         missing = sorted(set(firsts) - set(calls))
         if missing:
             raise RuntimeError(f"the pipeline call at {height}x{width} never called {', '.join(missing)}")
@@ -152,17 +165,20 @@ def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]
     """The `dynamic_shapes` spec for `torch.export.export`, covering every captured kwarg."""
     lo, hi = contract.resolution.token_range
     image = Dim("image_tokens", min=lo, max=hi)
+    text = Dim("text_tokens", min=contract.text_range[0], max=contract.text_range[1]) if contract.text_range else None
     specs = iter(contract.tensors)
 
     def dims(leaf):
         if not isinstance(leaf, torch.Tensor):
             return None
         spec = next(specs)
-        dynamic = {
-            d: image + off if off else image
-            for d, (s, off) in enumerate(zip(spec.shape, spec.offsets, strict=True))
-            if s is None
-        }
+        dynamic = {}
+        for d, (s, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+            if s is None and spec.text(d):
+                dynamic[d] = text + off if off else text
+            elif s is None:
+                scaled = image * spec.factor(d) if spec.factor(d) != 1 else image
+                dynamic[d] = scaled + off if off else scaled
         return dynamic or None
 
     return pytree.tree_map(dims, kwargs)
@@ -212,6 +228,8 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         sizes[1] = (resolution.max_side, resolution.max_side)
     firsts = {name: found[0] for name, found in blocks.items()}
     captures = capture_blocks(pipe, firsts, sizes)
+    row = family(type(pipe).__name__)
+    texts = capture_blocks(pipe, firsts, sizes[:1], LONG_PROMPT) if row.text_rule == "prompt" else None
     probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
     tokens = [resolution.tokens(*size) for size in sizes]
     classes = {}
@@ -220,7 +238,9 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         kwargs = calls[0][1]
         with torch.no_grad():
             reference = block(**kwargs)
-        classes[name] = (block, kwargs, contract_from_captures(name, calls, tokens, resolution), reference)
+        text_call = texts[0][name] if texts else None
+        contract = contract_from_captures(name, calls, tokens, resolution, text_call, row.text_range)
+        classes[name] = (block, kwargs, contract, reference)
 
     try:
         packages, fp8_notes = _compile_classes(classes, attention, fp8, options)
@@ -407,24 +427,27 @@ def _load_or_compile(options: Options) -> Compiled:
 
 
 def load_pipeline(options: Options) -> Any:
-    """Load `options.model` as a `FluxPipeline` on `options.device` in `options.dtype`, with the
-    LoRAs of `options.lora` fused into its weights (lora.fuse_).
+    """Load `options.model` as the pipeline class its `model_index.json` names, on `options.device`
+    in `options.dtype`, with the LoRAs of `options.lora` fused into its weights (lora.fuse_); the
+    class must have a row in families.py.
 
     Everything that can be checked without the weights is checked first, in seconds: explicit fast
-    paths this machine cannot run, a push target without a token, the side range against the model's
-    pixel step (read from its VAE config), a save folder that cannot be written, a Hub that cannot
-    be reached, a model too large for a machine without CUDA. Beside the weights it starts the CPU
-    ISA probe a compile needs (`probe_cpu_isa_in_background`), unless nothing is compiled
-    (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does not need it; if they are then
-    refused, the compile waits for the probe: 35-48 s on the H200 host with torch 2.11).
+    paths this machine cannot run, a push target without a token, a pipeline class that is not
+    supported, the side range against the model's pixel step (read from its VAE config), a save
+    folder that cannot be written, a Hub that cannot be reached, a model too large for a machine
+    without CUDA. Beside the weights it starts the CPU ISA probe a compile needs
+    (`probe_cpu_isa_in_background`), unless nothing is compiled (`--no-compile`) or packages are to
+    be loaded (`AOT_LOAD`, which does not need it; if they are then refused, the compile waits for
+    the probe: 35-48 s on the H200 host with torch 2.11).
 
     Raises:
-        RuntimeError: the model cannot be fetched, it is too large to run without CUDA, or an
-            explicit option cannot work here.
-        ValueError: the side range does not fit the model's pixel step; a LoRA source that is
-            neither a path nor a Hub repo id, or a LoRA that cannot be applied (lora.read).
+        RuntimeError: the model cannot be fetched, it is too large to run without CUDA, its
+            pipeline needs a module that is not installed, or an explicit option cannot work here.
+        ValueError: the pipeline class is not supported; the side range does not fit the model's
+            pixel step; a LoRA source that is neither a path nor a Hub repo id, or a LoRA that
+            cannot be applied (lora.read).
     """
-    from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+    import diffusers
 
     cuda = torch.cuda.is_available()
     if options.device.startswith("cuda") and not cuda:
@@ -442,28 +465,47 @@ def load_pipeline(options: Options) -> Any:
         check_push_target(options.push)
     for spec in lora.parse(options.lora) + lora.parse(options.lora_choices):
         spec.check()
-    config = _model_config(FluxTransformer2DModel, options.model, "transformer")
+    index = _model_config(diffusers.DiffusionPipeline, options.model, None)
+    pipeline_class = index.get("_class_name", "")
+    row = family(pipeline_class)  # refuses an unsupported class before any weight loads
+    if row.missing():
+        raise RuntimeError(
+            f"{pipeline_class} needs {', '.join(row.missing())}, which is not installed: "
+            f"pip install {' '.join(row.missing())}"
+        )
+    transformer_class = getattr(diffusers, index["transformer"][1])
+    config = _model_config(transformer_class, options.model, "transformer")
     if device.type == "cpu":
         with torch.device("meta"):
-            params = sum(p.numel() for p in FluxTransformer2DModel.from_config(config).parameters())
+            params = sum(p.numel() for p in transformer_class.from_config(config).parameters())
         if params > CPU_MAX_PARAMS:
             raise RuntimeError(
                 f"{options.model} has a {params / 1e9:.1f}B-parameter transformer ({params * 2 / 1e9:.0f} GB in "
                 "bfloat16): it needs a CUDA GPU with room for it and the text encoders. Without one, run the "
                 "bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
             )
-    vae = _model_config(AutoencoderKL, options.model, "vae")
-    options.resolution(vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1))  # as FluxPipeline computes it
+    vae = _model_config(getattr(diffusers, index["vae"][1]), options.model, "vae")
+    options.resolution(vae_scale_factor=vae_scale_factor(vae))
     if options.compile and not options.load:
         probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
-    pipe = FluxPipeline.from_pretrained(options.model, dtype=dtype).to(device)
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(options.model, dtype=dtype).to(device)
     if options.lora:
         lora.fuse_(pipe, lora.parse(options.lora))
     return pipe
 
 
-def _model_config(cls: Any, model: str, subfolder: str) -> dict[str, Any]:
-    """`cls.load_config(model, subfolder=...)` from a folder, the local Hub cache, or the Hub.
+def vae_scale_factor(vae_config: dict[str, Any]) -> int:
+    """The VAE's spatial downsampling, as the pipelines compute `vae_scale_factor` from its config:
+    2 ** (resolution levels - 1) for `AutoencoderKL`-style VAEs (8 for FLUX's), 2 ** len(temperal_downsample)
+    for Qwen-Image's and Wan's."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"])
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]:
+    """`cls.load_config(model, subfolder=...)` from a folder, the local Hub cache, or the Hub;
+    `subfolder=None` reads the model's own `model_index.json`.
 
     huggingface_hub retries an unreachable Hub for about 30 s before it fails with "does not
     appear to have a file named config.json"; one request with a 5 s timeout tells first.
@@ -507,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     report = optimize_(pipe, options)
     ready = time.perf_counter() - start
     side = options.min_side
-    pipe("a test", height=side, width=side, num_inference_steps=1, output_type="latent")  # loads + binds every block
+    row = family(type(pipe).__name__)
+    call = row.call(pipe, "a test", side, side, row.capture_steps, row.defaults(pipe)[1], row.capture_image(side, side))
+    pipe(**call, output_type="latent")  # loads + binds every block
     print(report)
     first_step = time.perf_counter() - start
     print(f"packages {report.source} in {ready:.1f} s; first step at {side}x{side} done after {first_step:.1f} s")

@@ -78,28 +78,12 @@ def t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def build() -> FluxPipeline:
-    """Return the seeded tiny pipeline (float32, CPU)."""
-    torch.manual_seed(SEED)
-    tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=TRANSFORMER["pooled_projection_dim"],
-            intermediate_size=37,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            projection_dim=32,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=1,
-        )
-    )
-    text_encoder_2 = T5EncoderModel(
+def t5_encoder(vocab_size: int, d_model: int) -> T5EncoderModel:
+    """A two-layer T5 encoder of width `d_model` (random weights from the current torch seed)."""
+    return T5EncoderModel(
         T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=TRANSFORMER["joint_attention_dim"],
+            vocab_size=vocab_size,
+            d_model=d_model,
             d_kv=8,
             d_ff=37,
             num_layers=2,
@@ -110,14 +94,39 @@ def build() -> FluxPipeline:
             eos_token_id=1,
         )
     )
-    return FluxPipeline(
-        transformer=FluxTransformer2DModel(**TRANSFORMER),
+
+
+def build(transformer: dict = TRANSFORMER, scheduler: dict = SCHEDULER, pipeline_class=FluxPipeline) -> FluxPipeline:
+    """Return the seeded tiny pipeline (float32, CPU).
+
+    The FLUX.1 variants (schnell, Kontext) share these components and differ only in the transformer's
+    config fields, the scheduler's config and the pipeline class, so their scripts call this with their own.
+    """
+    torch.manual_seed(SEED)
+    tokenizer, tokenizer_2 = clip_tokenizer(), t5_tokenizer()
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=transformer["pooled_projection_dim"],
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            projection_dim=32,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
+    text_encoder_2 = t5_encoder(len(tokenizer_2), transformer["joint_attention_dim"])
+    return pipeline_class(
+        transformer=FluxTransformer2DModel(**transformer),
         vae=AutoencoderKL(**VAE),
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
     )
 
 

@@ -112,7 +112,7 @@ def test_a_lora_picked_per_request_changes_the_image_and_none_brings_the_base_ba
 def test_prompt_longer_than_the_text_encoder_still_generates(client):
     image, _, notes = generate(client, prompt="a very long prompt " * 40)  # > 512 T5 tokens (one per character)
     assert image.shape == (768, 512, 3)
-    assert notes.endswith("The prompt is longer than 512 T5 tokens; the rest was ignored.")  # API clients too
+    assert notes.endswith("The prompt is longer than 512 text tokens; the rest was ignored.")  # API clients too
 
 
 def test_two_simultaneous_requests_both_complete(client, server):
@@ -136,6 +136,8 @@ def test_large_model_without_cuda_names_what_it_needs(tmp_path):
     sys.path.insert(0, str(ROOT))
     from bench import TRANSFORMER  # FLUX.1-dev's transformer config
 
+    index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
     (tmp_path / "transformer").mkdir()
     (tmp_path / "transformer" / "config.json").write_text(json.dumps(TRANSFORMER))
     with pytest.raises(RuntimeError, match=r"11\.9B-parameter transformer .* needs a CUDA GPU"):

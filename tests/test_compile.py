@@ -114,7 +114,7 @@ def test_shape_rule_refuses_inputs_it_cannot_describe():
     resolution = Resolution(512, 1536)
     a = {"x": torch.zeros(1, 1024, 8)}
     b = {"x": torch.zeros(1, 2 * 2304, 8)}  # doubles instead of following the token count
-    with pytest.raises(ValueError, match="not image tokens plus a constant"):
+    with pytest.raises(ValueError, match="not a whole multiple of the image tokens plus a constant"):
         contract_from_captures("Block", [((), a), ((), b)], [1024, 2304], resolution)
 
 
