@@ -23,6 +23,7 @@ Only safetensors files are read (`use_safetensors=True`): a pickled LoRA could r
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -215,6 +216,13 @@ class Adapters:
         self.active: str | None = None
         self.base: dict[str, dict[str, torch.Tensor]] | None = None
         self.base_bytes = 0
+
+    def for_pipeline(self, pipe: Any, fp8_config: Any = None) -> Adapters:
+        """The same LoRAs for another pipeline of the same model (another replica), without reading
+        them again: the factors are shared (read-only); the base copy and the active LoRA are its own."""
+        other = copy.copy(self)
+        other.pipe, other.fp8_config, other.active, other.base, other.base_bytes = pipe, fp8_config, None, None, 0
+        return other
 
     @property
     def names(self) -> list[str]:

@@ -98,7 +98,7 @@ def start(options: Options) -> Replicas:
             report = optimize_(pipe, replica, compiled=compiled.get(model))
             compiled.setdefault(model, report.compiled)
         fp8 = fp8_config(report.compiled.fp8_granularity) if report and any(p.fp8 for p, _ in report.rows) else None
-        adapters.append(lora.Adapters(pipe, choices, fp8))
+        adapters.append(adapters[0].for_pipeline(pipe, fp8) if adapters else lora.Adapters(pipe, choices, fp8))
         pipes.append(pipe)
         reports.append(report)
     if len(chosen) > 1:
