@@ -72,7 +72,7 @@ RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
 FAMILY = family(type(pipe).__name__)  # what the UI offers and how a call looks (families.py)
 GUIDED = FAMILY.guided(pipe)
 DEFAULT_STEPS, DEFAULT_GUIDANCE = FAMILY.defaults(pipe)
-EDITS = FAMILY.image_input == "required"
+EDITS = FAMILY.image_input == "required"  # an input image must be given; "optional": it may be
 TEXT_TOKENS = FAMILY.text_tokens  # the text length the blocks are compiled for
 # Counts a prompt's tokens for the truncation note (None: the family names no tokenizer, no note).
 TOKENIZER = getattr(pipe, FAMILY.tokenizer) if FAMILY.tokenizer else None
@@ -131,7 +131,7 @@ def check_request(
         raise refuse("Enter a prompt (it has no visible character).")
     if EDITS and image is None:
         raise refuse(f"Upload an input image: {FAMILY.label} edits an image (it is resized to the output size).")
-    if not EDITS and image is not None:
+    if FAMILY.image_input == "none" and image is not None:
         raise refuse(f"{FAMILY.label} generates from text only: leave the input image empty.")
     for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed)):
         if value != int(value):
@@ -240,7 +240,11 @@ with gr.Blocks(title=f"{FAMILY.label}, compiled ahead of time") as demo:
         prompt = gr.Textbox(label="Prompt", placeholder=placeholder, scale=4, max_lines=4)
         run = gr.Button("Generate", variant="primary", scale=1)
     with gr.Row():
-        input_image = gr.Image(label="Input image", type="pil", visible=EDITS)
+        input_image = gr.Image(
+            label="Input image" if EDITS else "Reference image (optional)",
+            type="pil",
+            visible=FAMILY.image_input != "none",
+        )
         result = gr.Image(label="Result", format="png")
     notes = gr.Markdown()
     # The seed used goes to the API and into `notes`, not back into the Seed slider: outputs of a

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from blocks import probe_cpu_isa_in_background, rel_error, repeated_blocks, wait_for_cpu_isa_probe
+from blocks import forward_signature, probe_cpu_isa_in_background, rel_error, repeated_blocks, wait_for_cpu_isa_probe
 from compile import capture, capture_blocks, load_pipeline, optimize_
 from families import family
 from graphs import graph_step_
@@ -282,6 +282,7 @@ def _widen_text(widths: dict[str, int], device: str):
         return cache[key]
 
     def hook(module, args, kwargs):
+        kwargs, args = dict(forward_signature(module).bind(*args, **kwargs).arguments), ()  # Z-Image: by position
         for name, width in widths.items():
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.shape[-1] != width:

@@ -34,35 +34,47 @@ def forward_signature(module: torch.nn.Module) -> inspect.Signature:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a compiled block accepts for one tensor input: shape with dynamic dims, dtype, device."""
+    """What a compiled block accepts for one tensor input: shape with dynamic dims, dtype, device.
+
+    A dynamic dim (None in `shape`) is `image[d] * I + text[d] * L + offsets[d]`, where I is the
+    image tokens of the sequence the block sees (the output's, plus a reference image's for edit
+    families) and L the text tokens (where the text length follows the prompt). `image[d]` and
+    `text[d]` are whole numbers >= 0, at least one of them positive.
+    """
 
     path: str
-    shape: tuple[int | None, ...]  # None: this dim is factors[dim] * image tokens + offsets[dim]
+    shape: tuple[int | None, ...]
     offsets: tuple[int, ...]
+    image: tuple[int, ...]
+    text: tuple[int, ...]
     dtype: torch.dtype
     device: str
-    factors: tuple[int, ...] = ()  # () reads as 1 for every dim (packages saved before edit families)
-    texts: tuple[bool, ...] = ()  # True: this None dim is text tokens + offsets[dim]; () reads as none
 
-    def factor(self, dim: int) -> int:
-        """Image tokens per unit of dim `dim` (2 where an edit family's reference image adds as many)."""
-        return self.factors[dim] if self.factors else 1
-
-    def text(self, dim: int) -> bool:
-        """Whether dynamic dim `dim` follows the text tokens (Qwen-Image) instead of the image tokens."""
-        return bool(self.texts) and self.texts[dim]
+    def form(self, dim: int) -> tuple[int, int]:
+        """(image, text) coefficients of dim `dim`: (0, 0) for a fixed dim."""
+        return self.image[dim], self.text[dim]
 
 
 @dataclass(frozen=True)
 class Contract:
-    """The inputs a package accepts; checked before every compiled call (AOTI itself checks none)."""
+    """The inputs a package accepts; checked before every compiled call (AOTI itself checks none).
+
+    `image_range` and `text_range` are the (min, max) of I and L (`TensorSpec`) the package was
+    exported for: `families.Family.image_range` and `text_range`.
+    """
 
     block: str
     tree: pytree.TreeSpec  # structure of the kwargs, non-tensor values included
     tensors: tuple[TensorSpec, ...]
     constants: tuple[Any, ...]  # captured non-tensor leaves; must be equal at every call
     resolution: Resolution
-    text_range: tuple[int, int] | None = None  # (min, max) text tokens where the text length is dynamic
+    image_range: tuple[int, int]
+    text_range: tuple[int, int] | None = None  # None: the text length is a constant of the package
+
+    def form_range(self, form: tuple[int, int]) -> tuple[int, int]:
+        """(min, max) of `a * I + b * L` for form (a, b) over the package's ranges."""
+        (a, b), text = form, self.text_range or (0, 0)
+        return a * self.image_range[0] + b * text[0], a * self.image_range[1] + b * text[1]
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able description (for `packages.save_packages`); the resolution is stored beside it."""
@@ -73,14 +85,15 @@ class Contract:
                     "path": t.path,
                     "shape": list(t.shape),
                     "offsets": list(t.offsets),
-                    "factors": [t.factor(d) for d in range(len(t.shape))],
-                    "texts": [t.text(d) for d in range(len(t.shape))],
+                    "image": list(t.image),
+                    "text": list(t.text),
                     "dtype": dtype_name(t.dtype),
                     "device": t.device,
                 }
                 for t in self.tensors
             ],
             "constants": list(self.constants),
+            "image_range": list(self.image_range),
             "text_range": list(self.text_range) if self.text_range else None,
         }
 
@@ -91,16 +104,16 @@ class Contract:
                 t["path"],
                 tuple(t["shape"]),
                 tuple(t["offsets"]),
+                tuple(t["image"]),
+                tuple(t["text"]),
                 parse_dtype(t["dtype"]),
                 t["device"],
-                tuple(t.get("factors", ())),
-                tuple(bool(x) for x in t.get("texts", ())),
             )
             for t in data["tensors"]
         )
         text_range = tuple(data["text_range"]) if data.get("text_range") else None
         tree = pytree.treespec_loads(data["tree"])
-        return cls(block, tree, tensors, tuple(data["constants"]), resolution, text_range)
+        return cls(block, tree, tensors, tuple(data["constants"]), resolution, tuple(data["image_range"]), text_range)
 
     def check(self, kwargs: dict[str, Any]) -> None:
         """Raise `ValueError` naming what differs from the compiled inputs."""
@@ -109,7 +122,7 @@ class Contract:
             raise ValueError(f"{self.block} was compiled for inputs {self.tree}; got {tree}")
         tensors = iter(self.tensors)
         constants = iter(self.constants)
-        tokens = text = None
+        seen: dict[tuple[int, int], int] = {}  # form -> its value a * I + b * L in this call
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 expected = next(constants)
@@ -123,115 +136,115 @@ class Contract:
                     f"{spec.device}; got {leaf.dim()}-d {leaf.dtype} on {leaf.device.type}"
                 )
             for dim, (want, have) in enumerate(zip(spec.shape, leaf.shape, strict=True)):
-                if want is None and spec.text(dim):
-                    have_text = have - spec.offsets[dim]
-                    text = have_text if text is None else text
-                    lo, hi = self.text_range
-                    if have_text != text or not lo <= have_text <= hi:
-                        raise ValueError(
-                            f"{self.block} was compiled for {lo}..{hi} text tokens; "
-                            f"{spec.path} has {have_text} (shape {tuple(leaf.shape)})"
-                        )
-                elif want is None:
-                    have_tokens, rest = divmod(have - spec.offsets[dim], spec.factor(dim))
-                    tokens = have_tokens if tokens is None else tokens
-                    lo, hi = self.resolution.token_range
-                    if rest or have_tokens != tokens or not lo <= have_tokens <= hi:
-                        raise ValueError(
-                            f"{self.block} was compiled for {self.resolution.describe()}; "
-                            f"{spec.path} has {have_tokens} image tokens (shape {tuple(leaf.shape)})"
-                        )
+                if want is None:
+                    self._check_dynamic(spec, dim, have - spec.offsets[dim], tuple(leaf.shape), seen)
                 elif want != have:
                     raise ValueError(
                         f"{self.block} was compiled for {spec.path} of shape {_shape_str(spec)}; "
                         f"got {tuple(leaf.shape)} (batch size and text length are fixed at compile time)"
                     )
+        image, text = seen.get((1, 0)), seen.get((0, 1))
+        for (a, b), value in seen.items():
+            if image is not None and text is not None and value != a * image + b * text:
+                raise ValueError(
+                    f"{self.block}: a dim of {a}*I + {b}*L is {value}, but I = {image} and L = {text} in this call"
+                )
+
+    def _check_dynamic(
+        self, spec: TensorSpec, dim: int, value: int, shape: tuple[int, ...], seen: dict[tuple[int, int], int]
+    ) -> None:
+        a, b = spec.form(dim)
+        if a and b:
+            form, symbol, rest = (a, b), value, 0
+        else:
+            form = (1, 0) if a else (0, 1)
+            symbol, rest = divmod(value, a or b)
+        lo, hi = self.form_range(form)
+        if rest or seen.setdefault(form, symbol) != symbol or not lo <= symbol <= hi:
+            if form == (1, 0):
+                unit, what = "image tokens", self.resolution.describe()
+                if (lo, hi) != self.resolution.token_range:
+                    what = f"{lo}..{hi} image tokens in the sequence: outputs of {what}, with their references"
+            elif form == (0, 1):
+                unit, what = "text tokens", f"{lo}..{hi} text tokens"
+            else:
+                unit, what = "tokens", f"{lo}..{hi} tokens = {a}*image + {b}*text"
+            got = f"{value / (a or b):g} {unit}" if rest else f"{symbol} {unit}"
+            if not rest and lo <= symbol <= hi:
+                got += f" while other inputs of this call have {seen[form]}"
+            raise ValueError(f"{self.block} was compiled for {what}; {spec.path} has {got} (shape {shape})")
 
 
 def _shape_str(spec: TensorSpec) -> str:
     dims = []
-    for i, (d, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
-        if d is not None:
-            dims.append(str(d))
+    for d, (size, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+        if size is not None:
+            dims.append(str(size))
             continue
-        scaled = "T" if spec.factor(i) == 1 else f"{spec.factor(i)}T"
-        dims.append(f"{scaled}+{off}" if off else scaled)
-    return "[" + ", ".join(dims) + "], T = image tokens"
+        terms = [f"{c}{symbol}" if c != 1 else symbol for c, symbol in zip(spec.form(d), "IL", strict=True) if c]
+        dims.append(" + ".join(terms + ([str(off)] if off else [])))
+    return "[" + ", ".join(dims) + "], I = image tokens, L = text tokens"
 
 
 def contract_from_captures(
     block: str,
     calls: list[Call],
-    tokens: list[int],
+    points: list[tuple[int, int]],
     resolution: Resolution,
-    text_call: Call | None = None,
+    image_range: tuple[int, int],
     text_range: tuple[int, int] | None = None,
 ) -> Contract:
-    """Find the inputs that follow the image-token count by comparing captures at two sizes, and
-    with `text_call` (a capture at the first size with a longer prompt) those that follow the text.
+    """Solve every input dimension as `a * I + b * L + c` from captures at known token counts.
 
-    A dimension that changes between the size captures must equal a whole factor times the image
-    tokens plus a constant offset: `image_rotary_emb` covers text + image tokens (factor 1, offset =
-    text length); an edit family's `hidden_states` holds the output's and the same-sized reference's
-    tokens (factor 2, families.py). A dimension that changes only with the prompt is text tokens plus
-    an offset: the first such dimension defines the text-token count (offset 0), the others must
-    change by as much, and every call must give `text_range[0]..text_range[1]` text tokens. Every
-    other dimension is fixed.
+    `points[i]` is (I, L) of `calls[i]`: image tokens of the sequence and text tokens. Calls 0 and
+    1 differ in I only; a call 2, where the text length follows the prompt, differs from call 0 in
+    L only (`compile.compile_blocks` captures so). A dim whose change is not a whole multiple of
+    the change in I (or L) cannot be one dynamic dimension: refused. Examples: `image_rotary_emb`
+    covers text + image tokens (a = 1, c = FLUX's fixed text length); Z-Image's main blocks see
+    image and text tokens in one sequence (a = b = 1). Every other dim is fixed.
 
     Raises:
-        ValueError: the captures differ in structure or in a way the rule cannot describe (a dim
-            that follows both the image and the text).
+        ValueError: the captures differ in structure, or in a dim the rule cannot describe.
     """
-    (_, first), (_, second) = calls
-    leaves_a, tree = pytree.tree_flatten_with_path(first)
-    leaves_b, tree_b = pytree.tree_flatten_with_path(second)
-    leaves_c, tree_c = pytree.tree_flatten_with_path(text_call[1] if text_call else first)
-    if tree != tree_b or tree != tree_c:
-        raise ValueError(f"{block}: inputs differ in structure between captures: {tree} vs {tree_b} vs {tree_c}")
-    specs, constants, text = [], [], None  # text: (first text dim's value in `first`, in `text_call`)
-    for (path, a), (_, b), (_, c) in zip(leaves_a, leaves_b, leaves_c, strict=True):
-        name = _path_name(path)
-        if not isinstance(a, torch.Tensor):
-            constants.append(a)
+    flat = [pytree.tree_flatten_with_path(kwargs) for _, kwargs in calls]
+    tree = flat[0][1]
+    if any(other != tree for _, other in flat[1:]):
+        raise ValueError(f"{block}: inputs differ in structure between captures: {[t for _, t in flat]}")
+    (i0, l0), (i1, _) = points[:2]
+    if i0 == i1 or len(points) > 2 and points[2][1] == l0:
+        raise ValueError(f"{block}: the captures must differ in image tokens, then in text tokens: {points}")
+    specs, constants = [], []
+    for leaves in zip(*(leaves for leaves, _ in flat), strict=True):
+        name = _path_name(leaves[0][0])
+        values = [leaf for _, leaf in leaves]
+        if not isinstance(values[0], torch.Tensor):
+            constants.append(values[0])
             continue
-        shape, offsets, factors, texts = [], [], [], []
-        for dim, (da, db, dc) in enumerate(zip(a.shape, b.shape, c.shape, strict=True)):
-            factor, rest = divmod(da - db, tokens[0] - tokens[1])
-            if da != db and dc != da:
+        shape, offsets, image, text = [], [], [], []
+        for dim, sizes in enumerate(zip(*(v.shape for v in values), strict=True)):
+            a, rest_a = divmod(sizes[0] - sizes[1], i0 - i1)
+            b, rest_b = divmod(sizes[2] - sizes[0], points[2][1] - l0) if len(sizes) > 2 else (0, 0)
+            if rest_a or a < 0:
                 raise ValueError(
-                    f"{block}: {name} dim {dim} follows both the image size and the prompt ({da}, {db}, {dc}): "
-                    "one dynamic dimension per input dim is supported"
-                )
-            if dc != da:
-                text = text or (da, dc)
-                if dc - da != text[1] - text[0]:
-                    raise ValueError(
-                        f"{block}: {name} dim {dim} changes with the prompt by {dc - da}, not {text[1] - text[0]}"
-                    )
-                shape.append(None)
-                offsets.append(da - text[0])
-                factors.append(1)
-                texts.append(True)
-            elif da == db:
-                shape.append(da)
-                offsets.append(0)
-                factors.append(1)
-                texts.append(False)
-            elif not rest and factor >= 1:
-                shape.append(None)
-                offsets.append(da - factor * tokens[0])
-                factors.append(factor)
-                texts.append(False)
-            else:
-                raise ValueError(
-                    f"{block}: {name} dim {dim} is {da} at {tokens[0]} image tokens and {db} at {tokens[1]}: "
+                    f"{block}: {name} dim {dim} is {sizes[0]} at {i0} image tokens and {sizes[1]} at {i1}: "
                     "not a whole multiple of the image tokens plus a constant, so one dynamic graph cannot serve both"
                 )
+            if rest_b or b < 0:
+                raise ValueError(
+                    f"{block}: {name} dim {dim} is {sizes[0]} at {l0} text tokens and {sizes[2]} at "
+                    f"{points[2][1]}: not a whole multiple of the text tokens plus a constant"
+                )
+            shape.append(None if a or b else sizes[0])
+            offsets.append(sizes[0] - a * i0 - b * l0 if a or b else 0)
+            image.append(a)
+            text.append(b)
         specs.append(
-            TensorSpec(name, tuple(shape), tuple(offsets), a.dtype, a.device.type, tuple(factors), tuple(texts))
+            TensorSpec(
+                name, tuple(shape), tuple(offsets), tuple(image), tuple(text), values[0].dtype, values[0].device.type
+            )
         )
-    text_range = text_range if text is not None else None
-    return Contract(block, pytree.tree_structure(first), tuple(specs), tuple(constants), resolution, text_range)
+    text_range = text_range if any(any(s.text) for s in specs) else None
+    return Contract(block, tree, tuple(specs), tuple(constants), resolution, image_range, text_range)
 
 
 def _path_name(path: tuple) -> str:
@@ -525,12 +538,15 @@ def check_constants(block: torch.nn.Module, package: BlockPackage, index: int) -
 
 
 def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
-    """The transformer's repeated blocks, one group per block class and weight layout.
+    """The transformer's repeated blocks, one group per block class, container and weight layout.
 
     Classes come from `transformer._repeated_blocks`. A package is bound to the weights of every
-    block in its group, so blocks of one class whose parameters differ in names or shapes get a
-    group each (Z-Image's blocks with and without modulation weights): named by the class when it
-    has one layout, else `<class>-1`, `<class>-2`, ... in model order.
+    block in its group and compiled for the inputs of the group's first block, so blocks of one
+    class are grouped apart where they sit in different containers (Z-Image's `noise_refiner`,
+    `context_refiner` and `layers` see image, text, and image + text sequences) or differ in weight
+    names or shapes (its context refiner has no modulation weights). A group is named by its class
+    when the class has one group, else `<class>-<container>`, with `-<i>` where a container holds
+    several layouts.
 
     Raises:
         ValueError: the attribute is missing, or a listed class has no instance in the model.
@@ -541,24 +557,28 @@ def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Mod
             f"{type(transformer).__name__} has no `_repeated_blocks`: regional compilation needs the "
             "list of repeated block class names (diffusers sets it on FluxTransformer2DModel)"
         )
-    found = {name: [m for m in transformer.modules() if type(m).__name__ == name] for name in names}
-    empty = [name for name, blocks in found.items() if not blocks]
+    found: dict[str, dict[tuple, list[torch.nn.Module]]] = {name: {} for name in names}
+    for path, module in transformer.named_modules():
+        if type(module).__name__ in found:
+            container = path.rpartition(".")[0].replace(".", "_") or "root"
+            layout = tuple((n, tuple(t.shape)) for n, t in module.state_dict(keep_vars=True).items())
+            found[type(module).__name__].setdefault((container, layout), []).append(module)
+    empty = [name for name, groups in found.items() if not groups]
     if empty:
         raise ValueError(
             f"{type(transformer).__name__}._repeated_blocks lists {', '.join(empty)}, "
             "but the model has no block of that class"
         )
-    groups = {}
-    for name, blocks in found.items():
-        layouts: dict[tuple, list[torch.nn.Module]] = {}
-        for block in blocks:
-            layout = tuple((n, tuple(t.shape)) for n, t in block.state_dict(keep_vars=True).items())
-            layouts.setdefault(layout, []).append(block)
-        if len(layouts) == 1:
-            groups[name] = blocks
-        else:
-            groups.update({f"{name}-{i}": group for i, group in enumerate(layouts.values(), start=1)})
-    return groups
+    named = {}
+    for name, groups in found.items():
+        for (container, layout), blocks in groups.items():
+            if len(groups) == 1:
+                named[name] = blocks
+                continue
+            layouts = [key for key in groups if key[0] == container]
+            suffix = f"-{layouts.index((container, layout)) + 1}" if len(layouts) > 1 else ""
+            named[f"{name}-{container}{suffix}"] = blocks
+    return named
 
 
 @dataclass
@@ -643,8 +663,8 @@ class Report:
             "| block class | blocks | package | export s | compile s | rel. error vs eager | image tokens |",
             "|---|---|---|---|---|---|---|",
         ]
-        lo, hi = self.resolution.token_range
         for package, count in self.rows:
+            lo, hi = package.contract.image_range
             lines.append(
                 f"| {package.block} | {count} | {len(package.package) / 1e6:.2f} MB | {package.export_s:.1f} "
                 f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {lo}..{hi} |"

@@ -90,6 +90,8 @@ CAPTURE_SIZE = (1024, 1024)
 # A second capture prompt for families whose text length follows the prompt (families.py): longer
 # than "capture" by far more than any padding step, far shorter than max_sequence_length.
 LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
+# The key under which `compile_blocks` captures the transformer's own call (beside its blocks').
+TRANSFORMER = "<transformer>"
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
@@ -136,25 +138,26 @@ def capture(modules: dict[str, torch.nn.Module]):
 
 
 def capture_blocks(
-    pipe: Any, firsts: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = "capture"
+    pipe: Any, modules: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = "capture"
 ) -> list[dict[str, Call]]:
-    """Capture every block group's inputs from one real pipeline call per size.
+    """Capture the first call's inputs of every module (block groups' first blocks, the transformer)
+    from one real pipeline call per size.
 
     Each call is the one the app makes (`families.Family.call`: keyword arguments, the family's
     text length, guidance where the model takes it, an input image of the output size for an edit
     family), with the family's `capture_steps`, stopped at latents.
 
     Raises:
-        RuntimeError: a block group was not called by the pipeline.
+        RuntimeError: a module was not called by the pipeline.
     """
     row = family(type(pipe).__name__)
     steps, guidance = row.defaults(pipe)
     captured = []
     for height, width in sizes:
         image = row.capture_image(height, width)
-        with capture(firsts) as calls:
+        with capture(modules) as calls:
             pipe(**row.call(pipe, prompt, height, width, row.capture_steps, guidance, image), output_type="latent")
-        missing = sorted(set(firsts) - set(calls))
+        missing = sorted(set(modules) - set(calls))
         if missing:
             raise RuntimeError(f"the pipeline call at {height}x{width} never called {', '.join(missing)}")
         captured.append(calls)
@@ -162,10 +165,22 @@ def capture_blocks(
 
 
 def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The `dynamic_shapes` spec for `torch.export.export`, covering every captured kwarg."""
-    lo, hi = contract.resolution.token_range
-    image = Dim("image_tokens", min=lo, max=hi)
-    text = Dim("text_tokens", min=contract.text_range[0], max=contract.text_range[1]) if contract.text_range else None
+    """The `dynamic_shapes` spec for `torch.export.export`, covering every captured kwarg.
+
+    One `Dim` per form of `blocks.TensorSpec`: `image_tokens` (I) and `text_tokens` (L), ranged by
+    the contract; a dim `a * I + c` is derived from I (likewise for L). A dim following both, `a * I
+    + b * L + c` (Z-Image's joint sequence), gets its own `Dim` over `a * I + b * L`: export takes
+    derived dims of one root only.
+    """
+    roots: dict[tuple[int, int], Dim] = {}
+
+    def root(form: tuple[int, int]) -> Dim:
+        if form not in roots:
+            name = {(1, 0): "image_tokens", (0, 1): "text_tokens"}.get(form, f"tokens_{form[0]}i_{form[1]}t")
+            lo, hi = contract.form_range(form)
+            roots[form] = Dim(name, min=lo, max=hi)
+        return roots[form]
+
     specs = iter(contract.tensors)
 
     def dims(leaf):
@@ -173,12 +188,16 @@ def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]
             return None
         spec = next(specs)
         dynamic = {}
-        for d, (s, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
-            if s is None and spec.text(d):
-                dynamic[d] = text + off if off else text
-            elif s is None:
-                scaled = image * spec.factor(d) if spec.factor(d) != 1 else image
-                dynamic[d] = scaled + off if off else scaled
+        for d, (size, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+            if size is not None:
+                continue
+            a, b = spec.form(d)
+            if a and b:
+                dim = root((a, b))
+            else:
+                dim = root((1, 0) if a else (0, 1))
+                dim = dim * (a or b) if (a or b) != 1 else dim
+            dynamic[d] = dim + off if off else dim
         return dynamic or None
 
     return pytree.tree_map(dims, kwargs)
@@ -227,19 +246,26 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
         sizes[1] = (resolution.max_side, resolution.max_side)
     firsts = {name: found[0] for name, found in blocks.items()}
-    captures = capture_blocks(pipe, firsts, sizes)
     row = family(type(pipe).__name__)
-    texts = capture_blocks(pipe, firsts, sizes[:1], LONG_PROMPT) if row.text_rule == "prompt" else None
+    modules = {**firsts, TRANSFORMER: transformer}
+    captures = capture_blocks(pipe, modules, sizes)
+    if row.text_rule == "prompt":
+        captures += capture_blocks(pipe, modules, sizes[:1], LONG_PROMPT)
+        sizes = [*sizes, sizes[0]]
+    references = row.images[0] - 1  # captures have an input image only where one is required
+    points = [
+        (row.image_tokens(resolution, *size, references), row.text_tokens_of(c[TRANSFORMER][1]))
+        for size, c in zip(sizes, captures, strict=True)
+    ]
     probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
-    tokens = [resolution.tokens(*size) for size in sizes]
+    image_range = row.image_range(resolution)
     classes = {}
     for name, block in firsts.items():
         calls = [c[name] for c in captures]
         kwargs = calls[0][1]
         with torch.no_grad():
             reference = block(**kwargs)
-        text_call = texts[0][name] if texts else None
-        contract = contract_from_captures(name, calls, tokens, resolution, text_call, row.text_range)
+        contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
         classes[name] = (block, kwargs, contract, reference)
 
     try:

@@ -7,15 +7,18 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
 * image tokens: `(H / step) * (W / step)` for an output of H x W pixels, step = 2 x the VAE's
   downsampling (every family here packs 2x2 latents). An edit family's input image is resized to the
   output size first (`reference_kwargs` turn off the pipeline's own resizing), so the transformer
-  sees `2 * tokens` image tokens: the reference's as many again. The exported dimension is then
-  `2 * image_tokens + offset` (`blocks.contract_from_captures` finds the factor from the captures).
+  sees the reference's tokens after the output's: I = 2 x tokens ("required"), or 1 x or 2 x where
+  the image is optional (FLUX.2). Z-Image pads each sequence to a multiple of 32 tokens
+  (`sequence_multiple`). The packages are exported for every I in `image_range`.
 * text tokens (`text_rule`): FLUX.1, Kontext, Chroma and FLUX.2 pad the prompt to
   `max_sequence_length` (512): the text length is a constant of the compiled blocks ("padded").
-  Qwen-Image's text length follows the prompt ("prompt"), and padding it would change the image: its
-  transformer attends to every text token it is given (no mask for a batch of one). So its text
-  length is a second dynamic dimension, found by capturing once more with a longer prompt, from
-  `MIN_TEXT_TOKENS` to `max_sequence_length`. A prompt cut at `max_sequence_length` gets a note in
-  the UI either way.
+  Qwen-Image's and Z-Image's text length follows the prompt ("prompt"), and padding it would change
+  the image: their transformers attend to every text token they are given (no mask for a batch of
+  one). So the text length L is a second dynamic dimension, found by capturing once more with a
+  longer prompt and read from the transformer's `text_input`, from `MIN_TEXT_TOKENS` to
+  `max_sequence_length`. A prompt cut at `max_sequence_length` gets a note in the UI either way.
+* a block input dim is `a * I + b * L + c` (blocks.contract_from_captures): Z-Image's main blocks
+  see image and text tokens in one sequence (a = b = 1).
 
     >>> family("FluxPipeline").image_input
     'none'
@@ -24,9 +27,13 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from options import Resolution
 
 
 @dataclass(frozen=True)
@@ -38,14 +45,22 @@ class Family:
         "transformer" (its config) or "pipeline" (`pipe.config`); None: always. FLUX.1-schnell has no
         guidance embedding; FLUX.2 klein's step-distilled models set `is_distilled`.
     steps, guidance: UI defaults with guidance; unguided_steps: the default without it.
-    image_input: "none" (text to image) or "required" (image editing: the input image is the call's
-        `image` argument, resized by the app to the output size).
+    image_input: "none" (text to image), "required" (image editing: the input image is the call's
+        `image` argument, resized by the app to the output size) or "optional" (either).
     reference_kwargs: call arguments that stop the pipeline's own resizing of the input image, as
         functions of (height, width), so the reference's image tokens equal the output's.
+    reference_size: where the pipeline resizes the input image anyway, (height, width) of the
+        reference for an output of (height, width); None: the output's size. Qwen-Image-Edit resizes
+        it to about 1 MP at the output's aspect ratio (diffusers' `calculate_dimensions`).
     call_kwargs: fixed call arguments (the text length the blocks are compiled for).
     capture_steps: denoising steps of a capture call (>= 2 where one step gives NaN timesteps).
     text_rule: "padded" (text length fixed at `max_sequence_length`) or "prompt" (it follows the
         prompt: a dynamic dimension of `text_range`).
+    text_input: the transformer's keyword argument holding the prompt's embeddings, [..., L, dim]:
+        where a "prompt" family's text length L is read at capture.
+    text_extra: text tokens beyond `max_sequence_length` (Qwen-Image-Edit's text holds the
+        reference's vision tokens: (H/28)*(W/28) of its ~1 MP, at most 1.4k).
+    sequence_multiple: the transformer pads image and text tokens to a multiple of this (Z-Image: 32).
     requires: Python modules the pipeline's components need beyond requirements.txt (FLUX.2 dev's
         Pixtral processor needs torchvision); `missing()` names those not installed.
     tokenizer: the pipeline attribute whose tokenizer counts the prompt against
@@ -61,10 +76,14 @@ class Family:
     guided_when: tuple[str, str, bool] | None = None
     image_input: str = "none"
     reference_kwargs: dict[str, Any] = field(default_factory=dict)
+    reference_size: Callable[[int, int], tuple[int, int]] | None = None
     call_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_sequence_length": 512})
     capture_steps: int = 1
     tokenizer: str | None = None
     text_rule: str = "padded"
+    text_input: str = "encoder_hidden_states"
+    text_extra: int = 0
+    sequence_multiple: int = 1
     requires: tuple[str, ...] = ()
 
     @property
@@ -74,8 +93,52 @@ class Family:
 
     @property
     def text_range(self) -> tuple[int, int] | None:
-        """(min, max) text tokens of a "prompt" family's dynamic text dimension; None when padded."""
-        return (MIN_TEXT_TOKENS, self.text_tokens) if self.text_rule == "prompt" else None
+        """(min, max) text tokens L of a "prompt" family's dynamic text dimension; None when padded."""
+        if self.text_rule != "prompt":
+            return None
+        return self.padded(MIN_TEXT_TOKENS), self.padded(self.text_tokens + self.text_extra)
+
+    def padded(self, tokens: int) -> int:
+        """`tokens` rounded up to the transformer's `sequence_multiple`."""
+        return -(-tokens // self.sequence_multiple) * self.sequence_multiple
+
+    @property
+    def images(self) -> tuple[int, int]:
+        """(fewest, most) images in the transformer's sequence: the output, and a same-sized reference."""
+        return {"none": (1, 1), "required": (2, 2), "optional": (1, 2)}[self.image_input]
+
+    def image_tokens(self, resolution: Resolution, height: int, width: int, references: int = 0) -> int:
+        """I, the image tokens the blocks see, for an output of `height` x `width` pixels and
+        `references` input images (each of `reference_size`)."""
+        reference = self.reference_size(height, width) if self.reference_size else (height, width)
+        return self.padded(resolution.tokens(height, width) + references * resolution.tokens(*reference))
+
+    def image_range(self, resolution: Resolution) -> tuple[int, int]:
+        """(min, max) of I over every output size `resolution` allows (and a reference where one may be given).
+
+        Without `reference_size` the ends are the smallest and largest square; with it every allowed
+        size is tried (a few thousand, microseconds each).
+        """
+        (fewest, most), (lo, hi) = self.images, (resolution.min_side, resolution.max_side)
+        if self.reference_size is None:
+            return self.image_tokens(resolution, lo, lo, fewest - 1), self.image_tokens(resolution, hi, hi, most - 1)
+        sides = range(lo, hi + 1, resolution.step)
+        sizes = [(h, w) for h in sides for w in sides]
+        return (
+            min(self.image_tokens(resolution, h, w, fewest - 1) for h, w in sizes),
+            max(self.image_tokens(resolution, h, w, most - 1) for h, w in sizes),
+        )
+
+    def text_tokens_of(self, transformer_kwargs: dict[str, Any]) -> int:
+        """L, the text tokens the blocks see, from one transformer call's keyword arguments.
+
+        Raises:
+            ValueError: the call has no tensor under `text_input`.
+        """
+        leaves = [t for t in pytree.tree_leaves(transformer_kwargs.get(self.text_input)) if isinstance(t, torch.Tensor)]
+        if not leaves:
+            raise ValueError(f"{self.label}: the transformer call has no tensor argument {self.text_input!r}")
+        return self.padded(leaves[0].shape[-2])
 
     def missing(self) -> list[str]:
         """The modules of `requires` that cannot be imported here."""
@@ -110,7 +173,7 @@ class Family:
         kwargs = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": steps, **self.call_kwargs}
         if self.guided(pipe):
             kwargs[self.guidance_kwarg] = guidance
-        if self.image_input == "required":
+        if self.image_input == "required" or (self.image_input == "optional" and image is not None):
             if image is None:
                 raise ValueError(f"{self.label} ({self.pipeline}) edits an image: give an input image")
             kwargs["image"] = image.convert("RGB").resize((width, height))
@@ -120,13 +183,22 @@ class Family:
         return kwargs
 
     def capture_image(self, height: int, width: int) -> Any:
-        """A fixed input image for capture calls of an edit family (None for text to image)."""
+        """A fixed input image for the capture calls where the image is required (None otherwise: a
+        family whose image is optional is captured without one, `image_range` covers both)."""
         if self.image_input != "required":
             return None
         from PIL import Image
 
         pixels = torch.arange(height * width * 3, dtype=torch.int64).reshape(height, width, 3) % 251
         return Image.fromarray(pixels.to(torch.uint8).numpy())
+
+
+def _qwen_edit_reference(height: int, width: int) -> tuple[int, int]:
+    """(height, width) QwenImageEditPipeline resizes its input image to: about 1 MP, the output's aspect ratio."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    ref_width, ref_height, _ = calculate_dimensions(1024 * 1024, width / height)
+    return ref_height, ref_width
 
 
 # The fewest text tokens a "prompt" family's blocks accept: torch.export specializes a dimension
@@ -151,7 +223,8 @@ FAMILIES: dict[str, Family] = {
         ),
         # Chroma: true classifier-free guidance (a second call with the negative prompt, same shapes).
         Family("ChromaPipeline", "Chroma", "guidance_scale", 28, 4.0, tokenizer="tokenizer"),
-        # FLUX.2 klein: step-distilled checkpoints set is_distilled and ignore guidance.
+        # FLUX.2 klein: step-distilled checkpoints set is_distilled and ignore guidance. FLUX.2 takes
+        # an optional reference image (the pipeline shrinks one above 1 MP to 1 MP: still in range).
         Family(
             "Flux2KleinPipeline",
             "FLUX.2 klein",
@@ -159,8 +232,9 @@ FAMILIES: dict[str, Family] = {
             50,
             4.0,
             guided_when=("pipeline", "is_distilled", False),
+            image_input="optional",
         ),
-        Family("Flux2Pipeline", "FLUX.2", "guidance_scale", 50, 4.0, requires=("torchvision",)),
+        Family("Flux2Pipeline", "FLUX.2", "guidance_scale", 50, 4.0, image_input="optional", requires=("torchvision",)),
         # Qwen-Image: true classifier-free guidance against a negative prompt (its own text length);
         # one-step calls give NaN timesteps with its scheduler, so captures run two steps.
         Family(
@@ -174,6 +248,37 @@ FAMILIES: dict[str, Family] = {
             tokenizer="tokenizer",
             text_rule="prompt",
         ),
+        # Qwen-Image-Edit: the text encoder reads the prompt with the reference image (its vision
+        # tokens join the text, which is not cut at max_sequence_length: no truncation note).
+        Family(
+            "QwenImageEditPipeline",
+            "Qwen-Image-Edit",
+            "true_cfg_scale",
+            50,
+            4.0,
+            image_input="required",
+            reference_size=_qwen_edit_reference,
+            call_kwargs={"max_sequence_length": 512, "negative_prompt": " "},
+            capture_steps=2,
+            text_rule="prompt",
+            text_extra=2048,
+            requires=("torchvision",),
+        ),
+        # Z-Image-Turbo: 8 DiT steps (9 scheduler steps), no guidance. Guidance > 0 (the base model's
+        # CFG) runs the prompt and the negative prompt as a batch of two with a mask: other inputs.
+        Family(
+            "ZImagePipeline",
+            "Z-Image",
+            None,
+            9,
+            0.0,
+            unguided_steps=9,
+            call_kwargs={"max_sequence_length": 512, "guidance_scale": 0.0},
+            tokenizer="tokenizer",
+            text_rule="prompt",
+            text_input="cap_feats",
+            sequence_multiple=32,
+        ),
     )
 }
 # Pipelines a user may try, and why they are not served (yet).
@@ -185,12 +290,7 @@ UNSUPPORTED: dict[str, str] = {
     "StableDiffusion3Pipeline": "its transformer defines no `_repeated_blocks`",
     "SanaPipeline": "its transformer defines no `_repeated_blocks`",
     "HiDreamImagePipeline": "its transformer defines no `_repeated_blocks`",
-    "QwenImageEditPipeline": "its text length follows the input image's vision tokens too (not built yet)",
     "QwenImageEditPlusPipeline": "its text length follows the input images' vision tokens too (not built yet)",
-    "ZImagePipeline": (
-        "its refiner and main blocks share one class and weight layout but see image-only and image + text "
-        "sequences, and its text joins the image tokens in one dimension (not built yet)"
-    ),
 }
 
 

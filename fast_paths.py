@@ -100,7 +100,7 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     """
     if options.attention == "sdpa":
         return Decision("attention", "sdpa", "requested")
-    head_dim = transformer.config.attention_head_dim
+    head_dim = attention_head_dim(transformer)
     problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
     if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
         problem = f"FA3 supports bfloat16/float16, the transformer is {transformer.dtype}"
@@ -116,6 +116,21 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     if options.attention == "fa3":
         raise RuntimeError(f"attention=fa3 cannot run: {problem}. Use --attention auto or sdpa.")
     return Decision("attention", "sdpa", f"auto: {problem}")
+
+
+def attention_head_dim(transformer: torch.nn.Module) -> int:
+    """The transformer's attention head dim: its config's `attention_head_dim` (FLUX, Qwen-Image), else
+    the first attention module's query width over its head count (Z-Image's config names `dim`, `n_heads`).
+
+    Raises:
+        ValueError: neither is there.
+    """
+    if "attention_head_dim" in transformer.config:
+        return transformer.config.attention_head_dim
+    for module in transformer.modules():
+        if hasattr(module, "to_q") and hasattr(module, "heads"):
+            return module.to_q.out_features // module.heads
+    raise ValueError(f"{type(transformer).__name__}: no attention_head_dim in its config and no attention module")
 
 
 def resolve_fp8(options: Options, device: torch.device) -> Decision:

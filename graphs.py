@@ -9,9 +9,11 @@ capture; see `blocks.load_runner`).
 The first call at a new shape runs as usual (its output is the answer; it also warms up the
 kernels), then the step is captured on copies of its inputs and replayed once: the replay must
 reproduce that output, or graphs are switched off with the reason logged. Later calls with that
-shape copy their inputs into the graph's static inputs and replay. Calls a graph cannot stand for
-run as usual: gradients on, `return_dict=True`, a non-empty `joint_attention_kwargs` (e.g. a LoRA
-scale), or tensors off the GPU.
+shape copy their inputs into the graph's static inputs and replay. Inputs may be nested (Z-Image
+takes lists of latents): the graph keeps the flattened leaves. Calls a graph cannot stand for run
+as usual: gradients on, `return_dict=True`, a value that is neither a tensor nor a plain constant
+(e.g. a LoRA scale in `joint_attention_kwargs` is a float, so it keys its own graph), or tensors
+off the GPU.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from blocks import rel_error
+from blocks import forward_signature, rel_error
 
 log = logging.getLogger("graphs")
 
@@ -51,35 +54,41 @@ class GraphedStep:
 
     def __init__(self, module: torch.nn.Module, strict: bool = False):
         self.step = type(module).forward.__get__(module)  # the forward to capture
+        self.signature = forward_signature(module)
         self.strict = strict
-        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Any], tuple]] = OrderedDict()
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[Any], tuple]] = OrderedDict()
         self.pool = None
         self.failed: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = None if args or self.failed else _key(kwargs)
-        if key is None:
+        if self.failed:
             return self.step(*args, **kwargs)
+        kwargs = dict(self.signature.bind(*args, **kwargs).arguments)  # Z-Image's pipeline passes inputs by position
+        leaves, tree = pytree.tree_flatten(kwargs)
+        key = _key(kwargs, leaves, tree)
+        if key is None:
+            return self.step(**kwargs)
         if key not in self.graphs:
             out = self.step(**kwargs)
-            self._capture(key, kwargs, out)
+            self._capture(key, leaves, tree, out)
             return out
         self.graphs.move_to_end(key)
         graph, inputs, outputs = self.graphs[key]
-        for name, value in kwargs.items():
+        for static, value in zip(inputs, leaves, strict=True):
             if isinstance(value, torch.Tensor):
-                inputs[name].copy_(value)
+                static.copy_(value)
         graph.replay()
-        return tuple(t.clone() for t in outputs)
+        return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, outputs)  # Z-Image returns a list of latents
 
-    def _capture(self, key: tuple, kwargs: dict[str, Any], expected: tuple) -> None:
-        """Capture the step on copies of `kwargs`, then replay it once: it must give `expected`."""
-        inputs = {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in kwargs.items()}
+    def _capture(self, key: tuple, leaves: list[Any], tree: pytree.TreeSpec, expected: tuple) -> None:
+        """Capture the step on copies of the inputs (`leaves` of `tree`), then replay it once: it
+        must give `expected`."""
+        inputs = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = tuple(self.step(**inputs))
+                outputs = tuple(self.step(**pytree.tree_unflatten(inputs, tree)))
             graph.replay()
             error = rel_error(outputs, tuple(expected))
             if not error <= MAX_REL_ERROR:
@@ -102,20 +111,23 @@ class GraphedStep:
             self.graphs.popitem(last=False)
 
 
-def _key(kwargs: dict[str, Any]) -> tuple | None:
-    """What a graph is specific to: every tensor's shape, dtype and device, every other value."""
+def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tuple | None:
+    """What a graph is specific to: the inputs' structure (lists of latents, FLUX's empty
+    `joint_attention_kwargs`), every tensor's shape, dtype and device, every other value (Qwen-Image's
+    `img_shapes`); None where a graph cannot stand for the call."""
     if torch.is_grad_enabled() or kwargs.get("return_dict", True):
         return None
-    key = [("inference_mode", torch.is_inference_mode_enabled())]  # static inputs are made in that mode
-    for name, value in sorted(kwargs.items()):
+    key: list[Any] = [
+        ("inference_mode", torch.is_inference_mode_enabled()),
+        tree,
+    ]  # static inputs are made in that mode
+    for value in leaves:
         if isinstance(value, torch.Tensor):
             if value.device.type != "cuda":
                 return None
-            key.append((name, tuple(value.shape), value.dtype, value.device))
+            key.append((tuple(value.shape), value.dtype, value.device))
         elif value is None or isinstance(value, (bool, int, float, str)):
-            key.append((name, value))
-        elif value == {}:  # FluxPipeline passes joint_attention_kwargs={} when none are set
-            key.append((name, dict))
+            key.append(value)
         else:
             return None
     return tuple(key)

@@ -97,8 +97,12 @@ class DeviceAPI:
         timer.start()
         self.tokens[token] = {"task": task, "timer": timer, "t0": time.time()}
         log(f"task {task}: GPU granted for {duration} s, worker {'reused' if idle else 'new'}")
-        return {"idle": idle, "nvidiaIndex": 0, "nvidiaUUID": os.environ.get("ZEROGPU_HARNESS_GPU", "0"),
-                "allowToken": token}
+        return {
+            "idle": idle,
+            "nvidiaIndex": 0,
+            "nvidiaUUID": os.environ.get("ZEROGPU_HARNESS_GPU", "0"),
+            "allowToken": token,
+        }
 
     def overtime(self, token: str, why: str) -> None:
         with self.cond:

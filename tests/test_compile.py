@@ -115,7 +115,7 @@ def test_shape_rule_refuses_inputs_it_cannot_describe():
     a = {"x": torch.zeros(1, 1024, 8)}
     b = {"x": torch.zeros(1, 2 * 2304, 8)}  # doubles instead of following the token count
     with pytest.raises(ValueError, match="not a whole multiple of the image tokens plus a constant"):
-        contract_from_captures("Block", [((), a), ((), b)], [1024, 2304], resolution)
+        contract_from_captures("Block", [((), a), ((), b)], [(1024, 512), (2304, 512)], resolution, (1024, 9216))
 
 
 def test_pipeline_without_repeated_blocks_gets_a_clear_error(eager_pipe):
@@ -181,9 +181,7 @@ def _contract(pipe, block_class: str):
     resolution = Resolution(512, 1536)
     first = repeated_blocks(pipe.transformer)[block_class][0]
     captures = capture_blocks(pipe, {block_class: first}, [(512, 512), (768, 768)])
+    points = [(resolution.tokens(512, 512), 512), (resolution.tokens(768, 768), 512)]
     return contract_from_captures(
-        block_class,
-        [c[block_class] for c in captures],
-        [resolution.tokens(512, 512), resolution.tokens(768, 768)],
-        resolution,
+        block_class, [c[block_class] for c in captures], points, resolution, resolution.token_range
     )

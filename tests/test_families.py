@@ -6,6 +6,7 @@ short) and its packages saved; the Space then starts from those packages (AOT_LO
 each family costs one compile and one quick app start.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -33,7 +34,6 @@ FOLDERS = [
     if pipeline_class(f) in FAMILIES and f != "tiny-flux"
     for missing in [FAMILIES[pipeline_class(f)].missing()]
 ]
-NEEDING = [f for f in TINY if pipeline_class(f) in FAMILIES and FAMILIES[pipeline_class(f)].missing()]
 UNSUPPORTED_FOLDERS = [f for f in TINY if pipeline_class(f) not in FAMILIES]
 SIDES = {"min_side": 256, "max_side": 512}
 SIZES = [(256, 256), (512, 512), (256, 512)]
@@ -49,9 +49,11 @@ def input_image() -> Image.Image:
     return Image.fromarray(np.stack([pixels, 255 - pixels, pixels // 2], axis=-1).astype(np.uint8))
 
 
-def images(pipe, height: int, width: int, steps: int = 2, prompt: str = "a red cat on a mat") -> torch.Tensor:
+def images(
+    pipe, height: int, width: int, steps: int = 2, prompt: str = "a red cat on a mat", reference: bool = False
+) -> torch.Tensor:
     row = family(type(pipe).__name__)
-    image = input_image() if row.image_input == "required" else None
+    image = input_image() if row.image_input == "required" or reference else None
     call = row.call(pipe, prompt, height, width, steps, row.defaults(pipe)[1], image)
     return pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pt").images
 
@@ -86,6 +88,11 @@ def test_compiled_family_matches_eager_at_both_ends_and_non_square(folder, saved
         prompt = "a long prompt about a red cat on a mat by the window " * 5
         error = rel_error(images(compiled, 256, 512, prompt=prompt), images(eager, 256, 512, prompt=prompt))
         assert error < TOLERANCE, f"{folder}, long prompt: rel. error {error:.2e}"
+    if family(pipeline_class(folder)).image_input == "optional":  # captured without one: twice the image tokens
+        for height, width in SIZES[1:]:
+            expected = images(eager, height, width, reference=True)
+            error = rel_error(images(compiled, height, width, reference=True), expected)
+            assert error < TOLERANCE, f"{folder} {height}x{width} with a reference image: rel. error {error:.2e}"
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
@@ -111,6 +118,11 @@ def test_space_serves_the_family_from_its_saved_packages(folder, saved, tmp_path
             args += ["none", handle_file(str(image_path))]  # no LoRA, the input image
         path, seed, notes = client.predict(*args, api_name="/generate")  # text-only clients omit the image
         assert np.asarray(Image.open(path)).shape == (256, 384, 3) and seed == 5
+        if row.image_input == "optional":
+            image_path = tmp_path / "reference.png"
+            input_image().save(image_path)
+            path, _, _ = client.predict(*args, "none", handle_file(str(image_path)), api_name="/generate")
+            assert np.asarray(Image.open(path)).shape == (256, 384, 3)
         assert "AoT loaded from" in app.text(), "the Space compiled instead of loading the saved packages"
     finally:
         app.stop()
@@ -138,15 +150,17 @@ def test_tiny_pipeline_of_a_family_not_built_yet_is_refused_before_its_weights_l
         load_pipeline(Options(model=str(ROOT / "assets" / folder), device="cpu"))
 
 
-@pytest.mark.parametrize("folder", NEEDING)
-def test_family_whose_pipeline_needs_a_missing_module_says_which_at_startup(folder):
-    missing = FAMILIES[pipeline_class(folder)].missing()
-    with pytest.raises(RuntimeError, match=rf"needs {missing[0]}, which is not installed: pip install"):
-        load_pipeline(Options(model=str(ROOT / "assets" / folder), device="cpu"))
+def test_family_whose_pipeline_needs_a_missing_module_says_which_at_startup(monkeypatch):
+    # A test-only stand-in: every module a row requires is installed here (requirements.txt), so
+    # the FLUX.2 row is made to require one that no machine has.
+    row = FAMILIES["Flux2Pipeline"]
+    monkeypatch.setitem(FAMILIES, "Flux2Pipeline", dataclasses.replace(row, requires=("no_such_module",)))
+    with pytest.raises(RuntimeError, match=r"needs no_such_module, which is not installed: pip install"):
+        load_pipeline(Options(model=str(ROOT / "assets" / "tiny-flux2"), device="cpu"))
 
 
-def test_blocks_of_one_class_with_two_weight_layouts_get_a_package_each():
-    # Z-Image's refiner blocks are ZImageTransformerBlocks without modulation weights.
+def test_blocks_of_one_class_get_a_package_per_container_and_weight_layout():
+    # Z-Image: ZImageTransformerBlocks in three containers; the context refiner's have no modulation.
     from diffusers import ZImageTransformer2DModel
 
     transformer = ZImageTransformer2DModel(
@@ -154,7 +168,7 @@ def test_blocks_of_one_class_with_two_weight_layouts_get_a_package_each():
         all_f_patch_size=(1,),
         in_channels=4,
         dim=32,
-        n_layers=2,
+        n_layers=3,
         n_refiner_layers=1,
         n_heads=2,
         n_kv_heads=2,
@@ -163,11 +177,13 @@ def test_blocks_of_one_class_with_two_weight_layouts_get_a_package_each():
         axes_lens=[64, 64, 64],
     )
     groups = repeated_blocks(transformer)
-    assert sorted(groups) == ["ZImageTransformerBlock-1", "ZImageTransformerBlock-2"]
-    layouts = {name: {block.modulation for block in blocks} for name, blocks in groups.items()}
-    assert sorted(map(sorted, layouts.values())) == [[False], [True]], layouts
-    # 2 main + 1 noise-refiner blocks are modulated, the 1 context-refiner block is not
-    assert sorted(len(blocks) for blocks in groups.values()) == [1, 3]
+    assert {name: len(blocks) for name, blocks in groups.items()} == {
+        "ZImageTransformerBlock-noise_refiner": 1,
+        "ZImageTransformerBlock-context_refiner": 1,
+        "ZImageTransformerBlock-layers": 3,
+    }
+    assert [block.modulation for block in groups["ZImageTransformerBlock-context_refiner"]] == [False]
+    assert all(block.modulation for block in groups["ZImageTransformerBlock-layers"])
 
 
 def test_text_length_that_follows_the_prompt_is_a_checked_dynamic_dimension():
@@ -176,19 +192,43 @@ def test_text_length_that_follows_the_prompt_is_a_checked_dynamic_dimension():
         return {"x": torch.zeros(1, image, 8), "text": torch.zeros(1, text, 8), "text_rope": torch.zeros(text, 4)}
 
     resolution = Resolution(256, 512)
-    calls = [((), inputs(256, 14)), ((), inputs(1024, 14))]
-    contract = contract_from_captures("Block", calls, [256, 1024], resolution, ((), inputs(256, 83)), (2, 512))
-    assert [(s.path, s.shape, s.texts) for s in contract.tensors] == [
-        ("x", (1, None, 8), (False, False, False)),
-        ("text", (1, None, 8), (False, True, False)),
-        ("text_rope", (None, 4), (True, False)),
+    points = [(256, 14), (1024, 14), (256, 83)]
+    calls = [((), inputs(*point)) for point in points]
+    contract = contract_from_captures("Block", calls, points, resolution, (256, 1024), (2, 512))
+    assert [(s.path, s.shape, s.image, s.text) for s in contract.tensors] == [
+        ("x", (1, None, 8), (0, 1, 0), (0, 0, 0)),
+        ("text", (1, None, 8), (0, 0, 0), (0, 1, 0)),
+        ("text_rope", (None, 4), (0, 0), (1, 0)),
     ]
     contract.check(inputs(512, 300))
     with pytest.raises(ValueError, match=r"compiled for 2\.\.512 text tokens; text has 600"):
         contract.check(inputs(512, 600))
-    with pytest.raises(ValueError, match="text_rope has 20"):
+    with pytest.raises(ValueError, match="text_rope has 20 text tokens while other inputs of this call have 300"):
         contract.check({**inputs(512, 300), "text_rope": torch.zeros(20, 4)})
-    # FLUX's rotary table covers text + image tokens: with a text length that varies it follows both.
-    joint = [((), {"rope": torch.zeros(n + t, 4)}) for n, t in ((256, 14), (1024, 14), (256, 83))]
-    with pytest.raises(ValueError, match="follows both the image size and the prompt"):
-        contract_from_captures("Block", joint[:2], [256, 1024], resolution, joint[2], (2, 512))
+
+
+def test_a_dim_that_follows_image_and_text_is_its_own_checked_dimension():
+    # Z-Image's main blocks: image and text tokens in one sequence (here beside image-only and text-only inputs).
+    def inputs(image, text):
+        x, rope = torch.zeros(1, image + text, 8), torch.zeros(image + text + 1, 4)
+        return {"x": x, "rope": rope, "image": torch.zeros(image), "text": torch.zeros(text)}
+
+    points = [(256, 32), (1024, 32), (256, 96)]
+    contract = contract_from_captures(
+        "Block", [((), inputs(*p)) for p in points], points, Resolution(256, 512), (256, 1024), (32, 512)
+    )
+    assert [(s.shape, s.offsets, s.image, s.text) for s in contract.tensors] == [
+        ((1, None, 8), (0, 0, 0), (0, 1, 0), (0, 1, 0)),
+        ((None, 4), (1, 0), (1, 0), (1, 0)),
+        ((None,), (0,), (1,), (0,)),
+        ((None,), (0,), (0,), (1,)),
+    ]
+    contract.check(inputs(512, 64))
+    with pytest.raises(ValueError, match=r"a dim of 1\*I \+ 1\*L is 600, but I = 512 and L = 64"):
+        contract.check({**inputs(512, 64), "x": torch.zeros(1, 600, 8), "rope": torch.zeros(601, 4)})
+    with pytest.raises(ValueError, match=r"compiled for 288\.\.1536 tokens = 1\*image \+ 1\*text; x has 2000"):
+        contract.check(inputs(1900, 100))
+    # A dim that doubles with the prompt's tokens plus one is not a whole multiple plus a constant.
+    odd = [((), {"x": torch.zeros(t * 3 // 2)}) for _, t in points]
+    with pytest.raises(ValueError, match="not a whole multiple of the text tokens plus a constant"):
+        contract_from_captures("Block", odd, points, Resolution(256, 512), (256, 1024), (32, 512))
