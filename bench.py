@@ -263,7 +263,8 @@ def family_pipeline(name: str, device: str, layers: int | None = None, heads: in
                 vae_config[stat] = (vae_config[stat] * vae_config[latent_field])[: vae_config[latent_field]]
         vae = type(pipe.vae).from_config(vae_config).to(torch.bfloat16)
     fill_random_([transformer, vae], device)
-    pipe.transformer, pipe.vae = transformer.eval(), vae.eval()
+    # A new pipeline object: its constructor derives attributes from the VAE (Qwen-Image-Edit's latent_channels).
+    pipe = type(pipe)(**{**pipe.components, "transformer": transformer.eval(), "vae": vae.eval()})
     widths = {key: config[field] for key, field in TEXT_WIDTHS.items() if field in config}
     transformer.register_forward_pre_hook(_widen_text(widths, device), with_kwargs=True)
     return pipe.to(device)
@@ -294,10 +295,15 @@ def _widen_text(widths: dict[str, int], device: str):
     return hook
 
 
+# --reference: calls of a family whose input image is optional (FLUX.2) pass one, of the output size.
+REFERENCE = False
+
+
 def pipe_call(pipe, size: int, steps: int) -> dict:
     """The keyword arguments of the app's call at size x size (families.py): an input image for edit families."""
     row = family(type(pipe).__name__)
-    return row.call(pipe, PROMPTS[0], size, size, steps, row.defaults(pipe)[1], row.capture_image(size, size))
+    image = row.capture_image(size, size, reference=REFERENCE)
+    return row.call(pipe, PROMPTS[0], size, size, steps, row.defaults(pipe)[1], image)
 
 
 def step_inputs(pipe, size: int) -> dict:
@@ -674,6 +680,7 @@ def _shared_flags(args) -> list[str]:
     flags = ["--model", args.model, "--size", str(args.size), "--steps", str(args.steps), "--work", args.work]
     flags += ["--family", args.family] if args.family else []
     flags += ["--layers", str(args.layers)] if args.layers is not None else []
+    flags += ["--reference"] if args.reference else []
     return flags + (["--heads", str(args.heads)] if args.heads is not None else [])
 
 
@@ -682,7 +689,8 @@ def table(rows: list[dict], args) -> str:
     lines = [
         f"{args.family or args.model}: {args.size}x{args.size}, {args.steps} steps, batch 1"
         + (f", {args.layers} layer(s) per stack" if args.layers is not None else "")
-        + (f", {args.heads} head(s)" if args.heads is not None else ""),
+        + (f", {args.heads} head(s)" if args.heads is not None else "")
+        + (", with a reference image" if args.reference else ""),
         "| scenario | step ms | speedup | without CUDA graphs | s / image | ready s | ISA probe s | peak GiB "
         "| rel. error vs eager |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -749,12 +757,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, default=None, help="with --family: blocks per stack (a smoke run)")
     parser.add_argument("--heads", type=int, default=None, help="with --family: attention heads (a smoke run)")
+    parser.add_argument(
+        "--reference", action="store_true", help="with --family of an optional input image (FLUX.2): pass one"
+    )
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--logs", default=None, help="folder for each group's log (default: a temporary one)")
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global REFERENCE
+    REFERENCE = args.reference
     if args.worker:
         worker(args.worker.split(","), args)
         return 0
@@ -777,7 +790,12 @@ def main(argv: list[str] | None = None) -> int:
             if chosen:
                 rows += run_group(chosen, args, logs)
     print(table(rows, args))
-    shape = {"family": args.family or args.model, "layers": args.layers, "heads": args.heads}
+    shape = {
+        "family": args.family or args.model,
+        "layers": args.layers,
+        "heads": args.heads,
+        "reference": args.reference,
+    }
     shape.update(size=args.size, steps=args.steps)
     print(json.dumps({**environment(), **shape, "rows": rows}))
     return 0

@@ -182,10 +182,17 @@ class Family:
             raise ValueError(f"{self.label} ({self.pipeline}) generates from text only: it takes no input image")
         return kwargs
 
-    def capture_image(self, height: int, width: int) -> Any:
-        """A fixed input image for the capture calls where the image is required (None otherwise: a
-        family whose image is optional is captured without one, `image_range` covers both)."""
-        if self.image_input != "required":
+    def capture_image(self, height: int, width: int, reference: bool = False) -> Any:
+        """A fixed input image for capture calls: where the image is required, or asked for with
+        `reference` where it is optional (None otherwise: an optional image is captured without one,
+        `image_range` covers both).
+
+        Raises:
+            ValueError: `reference` for a text-to-image family.
+        """
+        if reference and self.image_input == "none":
+            raise ValueError(f"{self.label} ({self.pipeline}) takes no input image")
+        if self.image_input != "required" and not reference:
             return None
         from PIL import Image
 
