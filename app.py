@@ -152,9 +152,9 @@ def check_request(
 
 def gpu_seconds(replica, prompt, seed, width, height, steps, guidance, lora, image) -> int:
     """ZeroGPU duration for one request, in seconds: a new worker's setup + a LoRA switch + the steps,
-    the per-step time scaled by image tokens (twice as many with an input image); at most
-    `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
-    tokens = RESOLUTION.tokens(int(height), int(width)) * (2 if image is not None else 1)
+    the per-step time scaled by the image tokens the blocks see (the output's, plus an input
+    image's: `families.Family.image_tokens`); at most `MAX_GPU_SECONDS` (63 s at 1024x1024, 28 steps)."""
+    tokens = FAMILY.image_tokens(RESOLUTION, int(height), int(width), references=int(image is not None))
     steps_s = steps * SECONDS_PER_STEP_AT_4096_TOKENS * tokens / 4096
     switch_s = LORA_SWITCH_SECONDS if len(LORAS) > 1 else 0
     return min(MAX_GPU_SECONDS, math.ceil(NEW_WORKER_SECONDS + switch_s + steps_s))

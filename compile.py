@@ -2,8 +2,8 @@
 
     capture  record each repeated block class's real inputs from real pipeline calls (families.py
              says how a call of this pipeline class looks)
-    export   torch.export one block per class and weight layout, with the image-token dimension
-             dynamic (and the text-token one where the text length follows the prompt)
+    export   torch.export one block per class, container and weight layout, with the image-token
+             dimension dynamic (and the text-token one where the text length follows the prompt)
     compile  AOTInductor: one weights-less package per class (a few MB, no parameters inside)
     apply    every block of the class runs that one package, bound to the block's own weights
     graph    optional (`cuda_graphs`): each image size's step is captured once, then replayed (graphs.py)

@@ -297,7 +297,7 @@ UNSUPPORTED: dict[str, str] = {
     "StableDiffusion3Pipeline": "its transformer defines no `_repeated_blocks`",
     "SanaPipeline": "its transformer defines no `_repeated_blocks`",
     "HiDreamImagePipeline": "its transformer defines no `_repeated_blocks`",
-    "QwenImageEditPlusPipeline": "its text length follows the input images' vision tokens too (not built yet)",
+    "QwenImageEditPlusPipeline": "it takes several input images, each resized on its own (not built yet)",
 }
 
 

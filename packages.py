@@ -46,7 +46,7 @@ from fast_paths import FA3_KERNEL_VERSION, Decision, one_line, resolve_attention
 from options import Options, Resolution
 
 log = logging.getLogger("packages")
-SCHEMA = 2
+SCHEMA = 3  # 3: contracts give each dynamic dim as image and text coefficients (blocks.TensorSpec)
 PACKAGE = "package.pt2"
 
 
