@@ -148,6 +148,16 @@ def check_request(
         raise refuse(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
     if lora not in LORAS:
         raise refuse(f"lora={lora!r}: use one of {', '.join(LORAS)} (AOT_LORA_CHOICES lists what is offered).")
+    if not FAMILY.truncates and prompt_tokens(prompt) > TEXT_TOKENS:
+        raise refuse(
+            f"The prompt has {prompt_tokens(prompt)} text tokens; {FAMILY.label} takes at most {TEXT_TOKENS} "
+            "(its pipeline does not cut a longer one, and the blocks are compiled for that length)."
+        )
+
+
+def prompt_tokens(prompt: str) -> int:
+    """The prompt's length in the family's tokenizer (0 where the family names none)."""
+    return len(TOKENIZER(prompt).input_ids) if TOKENIZER is not None else 0
 
 
 def gpu_seconds(replica, prompt, seed, width, height, steps, guidance, lora, image) -> int:
@@ -212,7 +222,7 @@ def generate(
     notes = f"{int(width)}x{int(height)} px, {int(num_inference_steps)} steps, seed {seed}."
     if lora != "none":
         notes += f" LoRA: {lora}."
-    if TOKENIZER is not None and len(TOKENIZER(prompt).input_ids) > TEXT_TOKENS:
+    if FAMILY.truncates and prompt_tokens(prompt) > TEXT_TOKENS:
         cut = f"The prompt is longer than {TEXT_TOKENS} text tokens; the rest was ignored."
         gr.Warning(cut)
         notes += " " + cut

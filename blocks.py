@@ -211,8 +211,10 @@ def contract_from_captures(
     if any(other != tree for _, other in flat[1:]):
         raise ValueError(f"{block}: inputs differ in structure between captures: {[t for _, t in flat]}")
     (i0, l0), (i1, _) = points[:2]
-    if i0 == i1 or len(points) > 2 and points[2][1] == l0:
-        raise ValueError(f"{block}: the captures must differ in image tokens, then in text tokens: {points}")
+    if i0 == i1 or points[1][1] != l0 or len(points) > 2 and (points[2][1] == l0 or points[2][0] != i0):
+        raise ValueError(
+            f"{block}: the captures must differ in image tokens only, then in text tokens only: (I, L) = {points}"
+        )
     specs, constants = [], []
     for leaves in zip(*(leaves for leaves, _ in flat), strict=True):
         name = _path_name(leaves[0][0])
@@ -546,7 +548,7 @@ def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Mod
     `context_refiner` and `layers` see image, text, and image + text sequences) or differ in weight
     names or shapes (its context refiner has no modulation weights). A group is named by its class
     when the class has one group, else `<class>-<container>`, with `-<i>` where a container holds
-    several layouts.
+    several layouts (the container's path keeps its dots: names stay apart as paths do).
 
     Raises:
         ValueError: the attribute is missing, or a listed class has no instance in the model.
@@ -560,7 +562,7 @@ def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Mod
     found: dict[str, dict[tuple, list[torch.nn.Module]]] = {name: {} for name in names}
     for path, module in transformer.named_modules():
         if type(module).__name__ in found:
-            container = path.rpartition(".")[0].replace(".", "_") or "root"
+            container = path.rpartition(".")[0]
             layout = tuple((n, tuple(t.shape)) for n, t in module.state_dict(keep_vars=True).items())
             found[type(module).__name__].setdefault((container, layout), []).append(module)
     empty = [name for name, groups in found.items() if not groups]
@@ -577,7 +579,7 @@ def repeated_blocks(transformer: torch.nn.Module) -> dict[str, list[torch.nn.Mod
                 continue
             layouts = [key for key in groups if key[0] == container]
             suffix = f"-{layouts.index((container, layout)) + 1}" if len(layouts) > 1 else ""
-            named[f"{name}-{container}{suffix}"] = blocks
+            named[f"{name}-{container or '<transformer>'}{suffix}"] = blocks
     return named
 
 
@@ -665,9 +667,10 @@ class Report:
         ]
         for package, count in self.rows:
             lo, hi = package.contract.image_range
+            sees_image = any(any(t.image) for t in package.contract.tensors)  # Z-Image's context refiner does not
             lines.append(
                 f"| {package.block} | {count} | {len(package.package) / 1e6:.2f} MB | {package.export_s:.1f} "
-                f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {lo}..{hi} |"
+                f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {f'{lo}..{hi}' if sees_image else '-'} |"
             )
         lines.append(f"packages: {self.source}")
         if self.source != "compiled":

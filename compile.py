@@ -245,6 +245,11 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     sizes = [capture_size, (resolution.min_side, resolution.min_side)]
     if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
         sizes[1] = (resolution.max_side, resolution.max_side)
+    if resolution.min_side == resolution.max_side:
+        raise ValueError(
+            f"sides {resolution.min_side}..{resolution.max_side} px: give two sizes (min_side < max_side); "
+            "the captures at both ends find which block inputs follow the image size"
+        )
     firsts = {name: found[0] for name, found in blocks.items()}
     row = family(type(pipe).__name__)
     modules = {**firsts, TRANSFORMER: transformer}

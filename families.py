@@ -64,7 +64,10 @@ class Family:
     requires: Python modules the pipeline's components need beyond requirements.txt (FLUX.2 dev's
         Pixtral processor needs torchvision); `missing()` names those not installed.
     tokenizer: the pipeline attribute whose tokenizer counts the prompt against
-        `max_sequence_length` for the UI's truncation note; None: no note.
+        `max_sequence_length`: for the UI's truncation note, or to refuse a longer prompt where the
+        pipeline does not cut it (`truncates`); None: not counted.
+    truncates: whether the pipeline cuts the prompt at `max_sequence_length` (Qwen-Image-Edit's
+        does not: a longer prompt would go past the text tokens the blocks are compiled for).
     """
 
     pipeline: str
@@ -80,6 +83,7 @@ class Family:
     call_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_sequence_length": 512})
     capture_steps: int = 1
     tokenizer: str | None = None
+    truncates: bool = True
     text_rule: str = "padded"
     text_input: str = "encoder_hidden_states"
     text_extra: int = 0
@@ -256,7 +260,7 @@ FAMILIES: dict[str, Family] = {
             text_rule="prompt",
         ),
         # Qwen-Image-Edit: the text encoder reads the prompt with the reference image (its vision
-        # tokens join the text, which is not cut at max_sequence_length: no truncation note).
+        # tokens join the text, which is not cut at max_sequence_length: a longer prompt is refused).
         Family(
             "QwenImageEditPipeline",
             "Qwen-Image-Edit",
@@ -267,6 +271,8 @@ FAMILIES: dict[str, Family] = {
             reference_size=_qwen_edit_reference,
             call_kwargs={"max_sequence_length": 512, "negative_prompt": " "},
             capture_steps=2,
+            tokenizer="tokenizer",
+            truncates=False,
             text_rule="prompt",
             text_extra=2048,
             requires=("torchvision",),

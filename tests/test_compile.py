@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TOLERANCE, generate, load_tiny
+from conftest import TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 
 from blocks import (
@@ -16,7 +16,7 @@ from blocks import (
     rel_error,
     repeated_blocks,
 )
-from compile import capture_blocks, compile_package, dynamic_shapes, export_block
+from compile import capture_blocks, compile_blocks, compile_package, dynamic_shapes, export_block
 from options import Resolution
 
 
@@ -116,6 +116,36 @@ def test_shape_rule_refuses_inputs_it_cannot_describe():
     b = {"x": torch.zeros(1, 2 * 2304, 8)}  # doubles instead of following the token count
     with pytest.raises(ValueError, match="not a whole multiple of the image tokens plus a constant"):
         contract_from_captures("Block", [((), a), ((), b)], [(1024, 512), (2304, 512)], resolution, (1024, 9216))
+
+
+def test_captures_must_differ_in_one_count_at_a_time():
+    # Were the text length to change with the size, its change would be read as the image's.
+    x = [((), {"x": torch.zeros(1, n, 8)}) for n in (1024 + 14, 2304 + 20)]
+    with pytest.raises(ValueError, match=r"differ in image tokens only, then in text tokens only"):
+        contract_from_captures("Block", x, [(1024, 14), (2304, 20)], Resolution(512, 1536), (1024, 9216))
+
+
+def test_one_size_only_is_refused_before_any_capture():
+    with pytest.raises(ValueError, match=r"sides 512\.\.512 px: give two sizes"):
+        compile_blocks(load_tiny(), tiny_options(min_side=512, max_side=512))
+
+
+def test_blocks_in_containers_whose_names_join_alike_stay_apart():
+    # `a.b_c` and `a_b.c` would both read `a_b_c` with dots replaced: one package for two containers.
+    class Block(torch.nn.Linear):
+        pass
+
+    def blocks(n):
+        return torch.nn.ModuleList(Block(4, 4) for _ in range(n))
+
+    model = torch.nn.Module()
+    model.a, model.a_b = torch.nn.Module(), torch.nn.Module()
+    model.a.b_c, model.a_b.c = blocks(1), blocks(2)
+    model._repeated_blocks = ["Block"]
+    assert {name: len(found) for name, found in repeated_blocks(model).items()} == {
+        "Block-a.b_c": 1,
+        "Block-a_b.c": 2,
+    }
 
 
 def test_pipeline_without_repeated_blocks_gets_a_clear_error(eager_pipe):

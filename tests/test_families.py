@@ -116,6 +116,9 @@ def test_space_serves_the_family_from_its_saved_packages(folder, saved, tmp_path
             with pytest.raises(Exception, match="Upload an input image"):
                 client.predict(*args, api_name="/generate")
             args += ["none", handle_file(str(image_path))]  # no LoRA, the input image
+        if not row.truncates:  # Qwen-Image-Edit: a prompt past the compiled text length is refused up front
+            with pytest.raises(Exception, match=rf"The prompt has \d+ text tokens; {row.label} takes at most 512"):
+                client.predict("a red cat " * 300, *args[1:], api_name="/generate")
         path, seed, notes = client.predict(*args, api_name="/generate")  # text-only clients omit the image
         assert np.asarray(Image.open(path)).shape == (256, 384, 3) and seed == 5
         if row.image_input == "optional":
