@@ -63,19 +63,8 @@ from graphs import graph_step_
 from options import Options
 
 ROOT = Path(__file__).resolve().parent
-# FLUX.1-dev's published configs (black-forest-labs/FLUX.1-dev, */config.json), weights random.
-TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=[16, 56, 56],
-)
+# FLUX.1-dev's published configs (black-forest-labs/FLUX.1-dev, */config.json), weights random; its
+# transformer's is `published_transformer("flux")`.
 CLIP = dict(
     vocab_size=49408,
     hidden_size=768,
@@ -140,7 +129,7 @@ def random_transformer(device: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     with torch.device(device):
-        return FluxTransformer2DModel(**TRANSFORMER).to(torch.bfloat16).eval()
+        return FluxTransformer2DModel(**published_transformer("flux")).to(torch.bfloat16).eval()
 
 
 def random_flux_dev(device: str):
@@ -217,21 +206,39 @@ def fill_random_(modules: list[torch.nn.Module], device: str) -> None:
                 module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
 
 
+def published_transformer(name: str) -> dict:
+    """Family `name`'s published transformer config: `PUBLISHED_TRANSFORMER` in
+    assets/make_tiny_<name>.py, beside the tiny pipeline it builds (the source is named there).
+
+    Raises:
+        ValueError: no such script, or it defines no `PUBLISHED_TRANSFORMER`.
+    """
+    import importlib
+    import importlib.util
+
+    if str(ROOT / "assets") not in sys.path:
+        sys.path.insert(0, str(ROOT / "assets"))  # the scripts import each other as siblings
+    module = f"make_tiny_{name.replace('-', '_')}"
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{name}: no assets/{module}.py")
+    published = getattr(importlib.import_module(module), "PUBLISHED_TRANSFORMER", None)
+    if published is None:
+        raise ValueError(f"{name}: assets/{module}.py defines no PUBLISHED_TRANSFORMER")
+    return dict(published)
+
+
 def family_pipeline(name: str, device: str, layers: int | None = None, heads: int | None = None):
     """assets/tiny-`name`/ with a transformer of the family's published shapes (random bf16 weights).
 
-    The script assets/make_tiny_<name>.py gives `PUBLISHED_TRANSFORMER` (FLUX.1-dev: this file's
-    `TRANSFORMER`). The VAE is rebuilt with the latent channels that transformer reads (its
-    `in_channels` over the tiny pair's ratio: 4 for 2x2-packed FLUX latents); the text encoders'
-    outputs are widened by a forward pre-hook on the transformer (`TEXT_WIDTHS`). `layers` and
-    `heads` cut the block stacks and the attention heads (the width: heads x head dim) for a smoke
-    run on a CPU.
+    The transformer's config is `published_transformer(name)`. The VAE is rebuilt with the latent
+    channels that transformer reads (its `in_channels` over the tiny pair's ratio: 4 for 2x2-packed
+    FLUX latents); the text encoders' outputs are widened by a forward pre-hook on the transformer
+    (`TEXT_WIDTHS`). `layers` and `heads` cut the block stacks and the attention heads (the width:
+    heads x head dim) for a smoke run on a CPU.
 
     Raises:
         ValueError: no such tiny pipeline, or its script has no `PUBLISHED_TRANSFORMER`.
     """
-    import importlib
-
     from accelerate import init_empty_weights
     from diffusers import DiffusionPipeline
 
@@ -239,13 +246,8 @@ def family_pipeline(name: str, device: str, layers: int | None = None, heads: in
     if not (folder / "model_index.json").is_file():
         found = sorted(p.name.removeprefix("tiny-") for p in (ROOT / "assets").glob("tiny-*/model_index.json"))
         raise ValueError(f"--family {name}: no assets/tiny-{name}/; families here: {', '.join(found)}")
-    sys.path.insert(0, str(ROOT / "assets"))
-    script = importlib.import_module(f"make_tiny_{name.replace('-', '_')}")
-    published = TRANSFORMER if name == "flux" else getattr(script, "PUBLISHED_TRANSFORMER", None)
-    if published is None:
-        raise ValueError(f"--family {name}: {script.__file__} defines no PUBLISHED_TRANSFORMER")
+    config = published_transformer(name)
     pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)
-    config = dict(published)
     if layers is not None:
         config.update({field: layers for field in LAYER_FIELDS if field in config})
     if heads is not None:

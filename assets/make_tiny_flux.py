@@ -34,6 +34,19 @@ TRANSFORMER = dict(
     guidance_embeds=True,
     axes_dims_rope=[4, 4, 8],
 )
+# black-forest-labs/FLUX.1-dev transformer/config.json (bench.py builds it with random weights).
+PUBLISHED_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=[16, 56, 56],
+)
 # Four resolution levels: vae_scale_factor = 2 ** (4 - 1) = 8, as in FLUX.1-dev's VAE.
 VAE = dict(
     in_channels=3,

@@ -12,16 +12,16 @@ image sequence (its position ids carry index 1 in the first axis), so the blocks
 from pathlib import Path
 
 from diffusers import FluxKontextPipeline
+from make_tiny_flux import PUBLISHED_TRANSFORMER as FLUX_DEV
 from make_tiny_flux import SCHEDULER, TRANSFORMER
 from make_tiny_flux import build as build_flux
-from make_tiny_flux_schnell import PUBLISHED_TRANSFORMER as SCHNELL
 from tiny_common import main
 
 OUT = Path(__file__).parent / "tiny-flux-kontext"
 # black-forest-labs/FLUX.1-Kontext-dev transformer/config.json is FLUX.1-dev's: Black Forest Labs' reference code
 # (flux/src/flux/util.py, configs["flux-dev-kontext"]) gives it depth 19, 38 single blocks, hidden 3072 = 24 x 128,
-# context 4096, vec 768, axes (16, 56, 56) and guidance_embed=True: the schnell numbers with the guidance embedding.
-PUBLISHED_TRANSFORMER = {**SCHNELL, "guidance_embeds": True}
+# context 4096, vec 768, axes (16, 56, 56) and guidance_embed=True.
+PUBLISHED_TRANSFORMER = FLUX_DEV
 
 
 def build() -> FluxKontextPipeline:

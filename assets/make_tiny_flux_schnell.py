@@ -10,6 +10,7 @@ scheduler uses a fixed shift of 1.0 without resolution-dependent (dynamic) shift
 
 from pathlib import Path
 
+from make_tiny_flux import PUBLISHED_TRANSFORMER as FLUX_DEV
 from make_tiny_flux import SCHEDULER, TRANSFORMER
 from make_tiny_flux import build as build_flux
 from tiny_common import main
@@ -21,19 +22,9 @@ TRANSFORMER = {**TRANSFORMER, "guidance_embeds": False}
 SCHEDULER = {**SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
 # black-forest-labs/FLUX.1-schnell transformer/config.json: diffusers' scripts/convert_flux_to_diffusers.py builds
 # it as FluxTransformer2DModel's defaults with num_layers=19, num_single_layers=38 and guidance_embeds=False
-# (no "guidance_in" weights in flux1-schnell.sft); Black Forest Labs' flux/src/flux/util.py has the same numbers.
-PUBLISHED_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=False,
-    axes_dims_rope=[16, 56, 56],
-)
+# (no "guidance_in" weights in flux1-schnell.sft); Black Forest Labs' flux/src/flux/util.py has the same numbers:
+# FLUX.1-dev's config without the guidance embedding.
+PUBLISHED_TRANSFORMER = {**FLUX_DEV, "guidance_embeds": False}
 
 
 def build():

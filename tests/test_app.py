@@ -134,12 +134,12 @@ def test_eager_switch_serves_the_uncompiled_pipeline():
 
 def test_large_model_without_cuda_names_what_it_needs(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from bench import TRANSFORMER  # FLUX.1-dev's transformer config
+    from bench import published_transformer
 
     index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))
     (tmp_path / "transformer").mkdir()
-    (tmp_path / "transformer" / "config.json").write_text(json.dumps(TRANSFORMER))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(published_transformer("flux")))
     with pytest.raises(RuntimeError, match=r"11\.9B-parameter transformer .* needs a CUDA GPU"):
         load_pipeline(Options(model=str(tmp_path), device="cpu"))
 

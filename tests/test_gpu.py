@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY, ZeroGPUSpace, generate
 
-from bench import TRANSFORMER
+from bench import published_transformer
 from blocks import apply_, rel_error
 from compile import MAX_REL_ERROR, compile_blocks, load_pipeline
 from fast_paths import FP8_MAX_REL_ERROR
@@ -32,7 +32,7 @@ def wide_pipeline(dtype=torch.bfloat16):
     pipe = load_pipeline(Options(model=TINY, device="cuda", dtype=str(dtype).removeprefix("torch.")))
     torch.manual_seed(0)
     # FLUX.1-dev's blocks, two of each, fed by the tiny text encoders and VAE.
-    config = {**TRANSFORMER, "in_channels": 16, "num_layers": 2, "num_single_layers": 2}
+    config = {**published_transformer("flux"), "in_channels": 16, "num_layers": 2, "num_single_layers": 2}
     config.update(joint_attention_dim=32, pooled_projection_dim=32)
     with torch.device("cuda"):
         pipe.transformer = FluxTransformer2DModel(**config).to(dtype)
