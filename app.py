@@ -148,9 +148,9 @@ def check_request(
         raise refuse(f"seed={seed}: use a whole number from 0 to {MAX_SEED}.")
     if lora not in LORAS:
         raise refuse(f"lora={lora!r}: use one of {', '.join(LORAS)} (AOT_LORA_CHOICES lists what is offered).")
-    if not FAMILY.truncates and prompt_tokens(prompt) > TEXT_TOKENS:
+    if not FAMILY.truncates and (tokens := prompt_tokens(prompt)) > TEXT_TOKENS:
         raise refuse(
-            f"The prompt has {prompt_tokens(prompt)} text tokens; {FAMILY.label} takes at most {TEXT_TOKENS} "
+            f"The prompt has {tokens} text tokens; {FAMILY.label} takes at most {TEXT_TOKENS} "
             "(its pipeline does not cut a longer one, and the blocks are compiled for that length)."
         )
 

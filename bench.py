@@ -304,8 +304,7 @@ REFERENCE = False
 def pipe_call(pipe, size: int, steps: int) -> dict:
     """The keyword arguments of the app's call at size x size (families.py): an input image for edit families."""
     row = family(type(pipe).__name__)
-    image = row.capture_image(size, size, reference=REFERENCE)
-    return row.call(pipe, PROMPTS[0], size, size, steps, row.defaults(pipe)[1], image)
+    return row.capture_call(pipe, PROMPTS[0], size, size, steps, reference=REFERENCE)
 
 
 def step_inputs(pipe, size: int) -> dict:

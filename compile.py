@@ -151,12 +151,10 @@ def capture_blocks(
         RuntimeError: a module was not called by the pipeline.
     """
     row = family(type(pipe).__name__)
-    steps, guidance = row.defaults(pipe)
     captured = []
     for height, width in sizes:
-        image = row.capture_image(height, width)
         with capture(modules) as calls:
-            pipe(**row.call(pipe, prompt, height, width, row.capture_steps, guidance, image), output_type="latent")
+            pipe(**row.capture_call(pipe, prompt, height, width), output_type="latent")
         missing = sorted(set(modules) - set(calls))
         if missing:
             raise RuntimeError(f"the pipeline call at {height}x{width} never called {', '.join(missing)}")
@@ -241,15 +239,15 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     fp8 = resolve_fp8(options, transformer.device)
     log.info("%s", attention)
 
-    capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
-    sizes = [capture_size, (resolution.min_side, resolution.min_side)]
-    if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
-        sizes[1] = (resolution.max_side, resolution.max_side)
     if resolution.min_side == resolution.max_side:
         raise ValueError(
             f"sides {resolution.min_side}..{resolution.max_side} px: give two sizes (min_side < max_side); "
             "the captures at both ends find which block inputs follow the image size"
         )
+    capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
+    sizes = [capture_size, (resolution.min_side, resolution.min_side)]
+    if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
+        sizes[1] = (resolution.max_side, resolution.max_side)
     firsts = {name: found[0] for name, found in blocks.items()}
     row = family(type(pipe).__name__)
     modules = {**firsts, TRANSFORMER: transformer}
@@ -581,8 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     ready = time.perf_counter() - start
     side = options.min_side
     row = family(type(pipe).__name__)
-    call = row.call(pipe, "a test", side, side, row.capture_steps, row.defaults(pipe)[1], row.capture_image(side, side))
-    pipe(**call, output_type="latent")  # loads + binds every block
+    pipe(**row.capture_call(pipe, "a test", side, side), output_type="latent")  # loads + binds every block
     print(report)
     first_step = time.perf_counter() - start
     print(f"packages {report.source} in {ready:.1f} s; first step at {side}x{side} done after {first_step:.1f} s")

@@ -186,22 +186,27 @@ class Family:
             raise ValueError(f"{self.label} ({self.pipeline}) generates from text only: it takes no input image")
         return kwargs
 
-    def capture_image(self, height: int, width: int, reference: bool = False) -> Any:
-        """A fixed input image for capture calls: where the image is required, or asked for with
-        `reference` where it is optional (None otherwise: an optional image is captured without one,
-        `image_range` covers both).
+    def capture_call(
+        self, pipe: Any, prompt: str, height: int, width: int, steps: int | None = None, reference: bool = False
+    ) -> dict[str, Any]:
+        """The keyword arguments of a capture or benchmark call (`call` with the family's default
+        guidance and `capture_steps` unless `steps` is given). A fixed input image of the output
+        size goes in where one is required, or asked for with `reference` where it is optional; an
+        optional image is captured without one (`image_range` covers both).
 
         Raises:
             ValueError: `reference` for a text-to-image family.
         """
         if reference and self.image_input == "none":
             raise ValueError(f"{self.label} ({self.pipeline}) takes no input image")
-        if self.image_input != "required" and not reference:
-            return None
-        from PIL import Image
+        image = None
+        if self.image_input == "required" or reference:
+            from PIL import Image
 
-        pixels = torch.arange(height * width * 3, dtype=torch.int64).reshape(height, width, 3) % 251
-        return Image.fromarray(pixels.to(torch.uint8).numpy())
+            pixels = torch.arange(height * width * 3, dtype=torch.int64).reshape(height, width, 3) % 251
+            image = Image.fromarray(pixels.to(torch.uint8).numpy())
+        steps = self.capture_steps if steps is None else steps
+        return self.call(pipe, prompt, height, width, steps, self.defaults(pipe)[1], image)
 
 
 def _qwen_edit_reference(height: int, width: int) -> tuple[int, int]:

@@ -117,10 +117,8 @@ def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tu
     `img_shapes`); None where a graph cannot stand for the call."""
     if torch.is_grad_enabled() or kwargs.get("return_dict", True):
         return None
-    key: list[Any] = [
-        ("inference_mode", torch.is_inference_mode_enabled()),
-        tree,
-    ]  # static inputs are made in that mode
+    inference_mode = ("inference_mode", torch.is_inference_mode_enabled())  # static inputs are made in that mode
+    key: list[Any] = [inference_mode, tree]
     for value in leaves:
         if isinstance(value, torch.Tensor):
             if value.device.type != "cuda":
