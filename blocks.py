@@ -1,7 +1,8 @@
 """Compiled blocks at run time: the input contract, the package, and binding it to every block.
 
-A package is weights-less: `CompiledBlock` loads it once per block and binds that block's own
-tensors with `load_constants(user_managed=True)`, so the transformer keeps one copy of its weights.
+A package is weights-less: it is loaded once per block class (`SharedPackage`), and each block
+(`CompiledBlock`) runs it on its own tensors, bound with `load_constants(user_managed=True)`, so the
+transformer keeps one copy of its weights.
 AOTInductor checks no input shapes, so every call is checked against the `Contract` first.
 """
 
@@ -13,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,27 +258,35 @@ def _path_name(path: tuple) -> str:
 
 
 def block_constants(block: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The block's parameters and buffers under the names a package uses for its constants.
+    """The block's parameters and persistent buffers under the names a package uses for its constants.
 
     Tensor-subclass weights (torchao quantization) are exported as their inner tensors under
-    `<module>.parametrizations.weight.original<i>`; torch's `unwrap_tensor_subclass_parameters`
-    gives the same names. It runs on a shallow clone, so `block` is untouched and no tensor is
-    copied: the returned tensors are the block's own storage.
+    `<module>.parametrizations.<name>.original<i>`, `i` counting the plain tensors of the subclass
+    depth-first in `__tensor_flatten__` order: the names torch's `unwrap_tensor_subclass_parameters`
+    gives (a test checks they agree). Returns the block's own tensors: nothing is copied, and
+    `block` is untouched (torch's function registers a parametrization per weight: milliseconds a
+    block, which a new ZeroGPU worker would pay for every block).
     """
-    from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    clone = _shallow_clone(block)
-    unwrap_tensor_subclass_parameters(clone)
-    return clone.state_dict(keep_vars=True)
+    def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+        if not is_traceable_wrapper_subclass(tensor):
+            return [tensor]
+        return [leaf for attr in tensor.__tensor_flatten__()[0] for leaf in plain(getattr(tensor, attr))]
 
-
-def _shallow_clone(module: torch.nn.Module) -> torch.nn.Module:
-    clone = object.__new__(type(module))
-    clone.__dict__ = module.__dict__.copy()
-    clone._parameters = module._parameters.copy()
-    clone._buffers = module._buffers.copy()
-    clone._modules = {name: _shallow_clone(child) for name, child in module._modules.items() if child is not None}
-    return clone
+    constants = {}
+    for prefix, module in block.named_modules():
+        persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for name, tensor in [*module._parameters.items(), *persistent]:
+            if tensor is None:
+                continue
+            path = f"{prefix}.{name}" if prefix else name
+            if is_traceable_wrapper_subclass(tensor):
+                where = f"{prefix}.parametrizations.{name}" if prefix else f"parametrizations.{name}"
+                constants.update((f"{where}.original{i}", t) for i, t in enumerate(plain(tensor)))
+            else:
+                constants[path] = tensor
+    return constants
 
 
 @dataclass
@@ -449,38 +459,101 @@ def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.T
     the package's names.
     """
     runner = load_runner(package)
-    available = block_constants(block)
-    constants = {name: available[name] for name in runner.get_constant_fqns()}
+    constants = bound_constants(runner.get_constant_fqns(), block)
     runner.load_constants(constants, check_full_update=True, user_managed=True)
     return runner, constants
 
 
-class CompiledBlock:
-    """Replaces one block's `forward`: checks the inputs, then runs the class's package.
+def bound_constants(names: list[str], block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`block`'s tensors under the package's constant `names` (`block_constants`)."""
+    available = block_constants(block)
+    return {name: available[name] for name in names}
 
-    The package is loaded at the first call (on ZeroGPU that is inside the GPU worker, and again in
-    every new worker) and bound once to this block's own tensors (`load_constants(user_managed=True)`:
-    no copy). A package that calls FlashAttention-3 gets its kernel loaded first (`fa3_kernel`).
+
+@dataclass
+class Costs:
+    """What this process has spent on work only compiled blocks do: package loads, binds (a block's
+    pointers set before it runs) and CUDA graph captures (graphs.py), counts and seconds. A new
+    ZeroGPU worker pays them once; `zerogpu.gpu` logs them per call."""
+
+    loads: int = 0
+    load_s: float = 0.0
+    binds: int = 0
+    bind_s: float = 0.0
+    captures: int = 0
+    capture_s: float = 0.0
+
+    def add(self, what: str, seconds: float) -> None:
+        setattr(self, f"{what}s", getattr(self, f"{what}s") + 1)
+        setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
+
+
+COSTS = Costs()
+
+
+class SharedPackage:
+    """One block class's package, loaded once per process and run by every block of the class.
+
+    A weights-less package reads its weights through pointers set by `load_constants`; a call from
+    another block than the previous one sets that block's pointers first (user-managed: no copy),
+    as `spaces.aoti_blocks_load` does. So a new ZeroGPU worker extracts and loads one package per
+    class, not one per block (FLUX.1-dev: 2 instead of 57), and a CUDA graph captured over the
+    step records each block's kernels with that block's pointers, so a replay rebinds nothing.
+    Loads and binds are counted in `COSTS`.
     """
 
-    def __init__(self, block: torch.nn.Module, package: BlockPackage, fa3_kernel: str | None = None):
-        self.block, self.package, self.fa3_kernel = block, package, fa3_kernel
-        self._signature = forward_signature(block)
-        self._runner = None
-        self._bound: list[tuple[dict[str, Any], str, Any, str]] = []
+    def __init__(self, package: BlockPackage, fa3_kernel: str | None = None):
+        self.package, self.fa3_kernel = package, fa3_kernel
+        self.runner: Any = None
+        self.names: list[str] = []
+        self.bound_to: object = None
         self._lock = threading.Lock()
+
+    def load(self) -> None:
+        """Load the package (FA3 kernel first where it calls FA3), once; on ZeroGPU, in the worker."""
+        with self._lock:
+            if self.runner is None:
+                start = time.perf_counter()
+                if self.fa3_kernel is not None:
+                    load_fa3(self.fa3_kernel)  # the package calls the FA3 op: register its kernel first
+                self.runner = load_runner(self.package.package)
+                self.names = self.runner.get_constant_fqns()
+                COSTS.add("load", time.perf_counter() - start)
+
+    def run(self, owner: object, constants: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        """Run the package on `owner`'s `constants` (bound here unless `owner` ran last)."""
+        if self.bound_to is not owner:
+            start = time.perf_counter()
+            self.runner.load_constants(constants, check_full_update=True, user_managed=True)
+            self.bound_to = owner
+            COSTS.add("bind", time.perf_counter() - start)
+        return self.runner(**kwargs)
+
+
+class CompiledBlock:
+    """Replaces one block's `forward`: checks the inputs, then runs its class's `SharedPackage` on
+    this block's own tensors (found once, at the block's first call: on ZeroGPU inside the worker,
+    after the weights moved to the GPU)."""
+
+    def __init__(self, block: torch.nn.Module, shared: SharedPackage):
+        self.block, self.shared, self.package = block, shared, shared.package
+        self._signature = forward_signature(block)
+        self._constants: dict[str, torch.Tensor] | None = None
+        self._bound: list[tuple[dict[str, Any], str, Any, str]] = []
+
+    @property
+    def loaded(self) -> bool:
+        """Whether this block has run its package (in this process)."""
+        return self._constants is not None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = dict(self._signature.bind(*args, **kwargs).arguments)
         self.package.contract.check(kwargs)
-        if self._runner is None:
-            with self._lock:
-                if self._runner is None:
-                    if self.fa3_kernel is not None:
-                        load_fa3(self.fa3_kernel)  # the package calls the FA3 op: register its kernel first
-                    self._runner, _ = bind(self.package.package, self.block)
-                    self._bound = _members(self.block)
-        return self._runner(**kwargs)
+        if self._constants is None:
+            self.shared.load()
+            self._constants = bound_constants(self.shared.names, self.block)
+            self._bound = _members(self.block)
+        return self.shared.run(self, self._constants, kwargs)
 
     def check_bound(self, index: int) -> None:
         """Raise `RuntimeError` if a submodule, parameter or buffer of the block was replaced since
@@ -631,8 +704,9 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
                 quantize_block_(block, fp8_config(compiled.fp8_granularity))
         for index, block in enumerate(found):
             check_constants(block, package, index)
+        shared = SharedPackage(package, compiled.fa3_kernel)  # one load per class, not per block
         for block in found:
-            block.forward = CompiledBlock(block, package, compiled.fa3_kernel)
+            block.forward = CompiledBlock(block, shared)
         rows.append((package, len(found)))
     patches = [m.forward for m in pipe.transformer.modules() if isinstance(m.__dict__.get("forward"), CompiledBlock)]
     if hasattr(pipe.transformer, "_binding_check"):  # applied before: check the blocks patched now

@@ -19,13 +19,14 @@ off the GPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from blocks import forward_signature, rel_error
+from blocks import COSTS, forward_signature, rel_error
 
 log = logging.getLogger("graphs")
 
@@ -83,6 +84,7 @@ class GraphedStep:
     def _capture(self, key: tuple, leaves: list[Any], tree: pytree.TreeSpec, expected: tuple) -> None:
         """Capture the step on copies of the inputs (`leaves` of `tree`), then replay it once: it
         must give `expected`."""
+        start = time.perf_counter()
         inputs = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream()
@@ -105,6 +107,7 @@ class GraphedStep:
             self.pool = None
             log.warning("CUDA graphs off: the transformer step cannot run as a graph (%s)", reason)
             return
+        COSTS.add("capture", time.perf_counter() - start)
         self.pool = graph.pool()
         self.graphs[key] = (graph, inputs, outputs)
         if len(self.graphs) > MAX_GRAPHS:

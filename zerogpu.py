@@ -32,8 +32,15 @@ process.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import json
+import logging
+import os
 import pickle
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -43,6 +50,7 @@ import spaces
 from spaces.config import Config
 
 ON_ZEROGPU: bool = Config.zero_gpu  # SPACES_ZERO_GPU=1/t/true, read by spaces at import
+log = logging.getLogger("zerogpu")
 # The longest a startup call may hold the GPU: the recipe's maximum for `@spaces.GPU` at import time.
 STARTUP_SECONDS = 1500
 
@@ -89,7 +97,8 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
     @functools.wraps(fn)
     def in_worker(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with _logged(fn.__name__):
+                return fn(*args, **kwargs)
         except gr.Error:
             raise
         except Exception as exc:
@@ -99,6 +108,7 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        _asked.at = time.time()  # a worker forked for this call inherits it (fork copies this thread)
         try:
             return scheduled(*args, **kwargs)
         except WorkerError as carried:
@@ -107,6 +117,33 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
             raise error from None
 
     return call  # type: ignore[return-value]
+
+
+# When the calling thread asked for a GPU (wall clock), and how many calls this process has run: a
+# worker's first call is a new worker's, whose wait includes spaces moving the weights to the GPU.
+_asked = threading.local()
+_calls = 0
+
+
+@contextlib.contextmanager
+def _logged(name: str):
+    """Log one `zerogpu-call {json}` line per call in a worker: whether the worker is new, the
+    seconds from asking for the GPU to the call (a new worker's includes moving the weights), the
+    call's seconds and what compiled blocks spent in it (`blocks.COSTS`: package loads, binds,
+    CUDA graph captures). bench.py's zerogpu rows read these lines."""
+    from blocks import COSTS
+
+    global _calls
+    new, waited = _calls == 0, time.time() - getattr(_asked, "at", time.time())
+    before, start = dataclasses.replace(COSTS), time.perf_counter()
+    try:
+        yield
+    finally:
+        _calls += 1
+        spent = {k: round(v - getattr(before, k), 4) for k, v in dataclasses.asdict(COSTS).items()}
+        line = {"fn": name, "pid": os.getpid(), "new_worker": new, "call": _calls, "wait_s": round(waited, 3)}
+        line.update(call_s=round(time.perf_counter() - start, 3), **spent)
+        log.info("zerogpu-call %s", json.dumps(line))
 
 
 def _picklable(exc: Exception) -> Exception:

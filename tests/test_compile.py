@@ -6,10 +6,13 @@ import pytest
 import torch
 from conftest import TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
+from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
 from blocks import (
     BlockPackage,
+    COSTS,
     CompiledBlock,
+    SharedPackage,
     apply_,
     block_constants,
     contract_from_captures,
@@ -46,6 +49,21 @@ def test_one_package_per_block_class_and_every_block_patched(compiled, compiled_
         assert len(package.package) < 5e6, "weights-less package: code only"
 
 
+def test_one_package_load_per_block_class_shared_by_its_blocks(compiled, compiled_pipe):
+    # A new ZeroGPU worker loads what its process has not: one package per class, not one per block.
+    loads, binds = COSTS.loads, COSTS.binds
+    generate(compiled_pipe, 512, 512, steps=2)
+    assert COSTS.loads - loads == len(compiled.packages)
+    patched = compiled_blocks(compiled_pipe)
+    for name in compiled.packages:
+        runners = {id(b.shared.runner) for b in patched if b.package.block == name}
+        assert len(runners) == 1 and None not in runners
+    # Two blocks per class alternate: every call binds its block (2 steps x 4 blocks, no CUDA graphs).
+    assert COSTS.binds - binds == 2 * len(patched)
+    generate(compiled_pipe, 512, 512, steps=1)
+    assert COSTS.loads - loads == len(compiled.packages), "loaded again"
+
+
 def test_each_block_runs_with_its_own_weights_without_a_copy(compiled_pipe, eager_pipe):
     generate(compiled_pipe, 512, 512, steps=1)  # load and bind every package
     block, twin = (
@@ -67,7 +85,7 @@ def test_size_outside_the_range_is_refused_before_any_compiled_call(compiled_pip
         generate(compiled_pipe, 496, 512)
     with pytest.raises(ValueError, match="hidden_states has 9312 image tokens"):
         generate(compiled_pipe, 1536, 1552)
-    assert all(b._runner is None for b in compiled_blocks(compiled_pipe)), "a compiled block was called"
+    assert not any(b.loaded for b in compiled_blocks(compiled_pipe)), "a compiled block was called"
     assert rel_error(generate(compiled_pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
 
 
@@ -187,13 +205,21 @@ def test_tensor_subclass_weights_bind_to_a_weights_less_package():
     contract = _contract(pipe, "FluxSingleTransformerBlock")
     for block in blocks:
         quantize_(block, Int8WeightOnlyConfig())
-    assert "proj_out.parametrizations.weight.original0" in block_constants(blocks[0])
+    constants = block_constants(blocks[0])
+    assert "proj_out.parametrizations.weight.original0" in constants
+    # The names torch's own unwrapping gives (on a copy: it registers parametrizations), same tensors.
+    unwrapped = unwrap_tensor_subclass_parameters(copy.deepcopy(blocks[0])).state_dict(keep_vars=True)
+    assert sorted(constants) == sorted(unwrapped)
+    assert all(torch.equal(constants[name], unwrapped[name]) for name in constants)
     package = compile_package(export_block(blocks[0], kwargs, contract))
     holder = BlockPackage("FluxSingleTransformerBlock", package, contract, {}, False, 0.0, 0.0, 0.0)
+    shared = SharedPackage(holder)
+    expected = [block(**kwargs) for block in blocks]
     for block in blocks:
-        expected = block(**kwargs)
-        block.forward = CompiledBlock(block, holder)
-        assert rel_error(block(**kwargs), expected) < TOLERANCE
+        block.forward = CompiledBlock(block, shared)
+    for _ in range(2):  # each call binds its block's tensors to the one loaded package
+        for block, reference in zip(blocks, expected, strict=True):
+            assert rel_error(block(**kwargs), reference) < TOLERANCE
 
 
 def compiled_pipe_resolution(pipe) -> Resolution:
