@@ -83,6 +83,7 @@ if OPTIONS.compile:
     STATUS = REPORT.summary() + (f"; {len(REPLICAS)} replicas" if len(REPLICAS) > 1 else "")
 else:
     STATUS = "eager pipeline (compile switched off: AOT_COMPILE=0 / --no-compile)"
+zerogpu.check_size(pipe, OPTIONS.gpu_size)  # logs what a new ZeroGPU worker moves; warns where the size will not fit
 log.info("%s; startup took %.1f s", STATUS, time.perf_counter() - STARTED)
 
 

@@ -112,10 +112,14 @@ SCENARIOS = {
     "aot+fa3": dict(attention="fa3", fp8="off"),
     "aot+fp8": dict(attention="sdpa", fp8="on"),
     "all": dict(),
+    # ZeroGPU's card (an RTX Pro 6000, sm_120) rehearsed: its plan of trials (SDPA, FP8 per tensor).
+    "sm120": dict(plan="12.0"),
 }
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
 # (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
-GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["warm"], ["zerogpu"], ["lora"]]
+GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["sm120"], ["warm"], ["zerogpu"], ["zerogpu-eager"]]
+GROUPS += [["lora"]]
+ZEROGPU = ("zerogpu", "zerogpu-eager")  # the Space in ZeroGPU mode, compiled (everything auto) and eager
 # The `lora` scenario's LoRA: rank 16 on every attention and MLP layer of both block classes.
 LORA_RANK = 16
 LORA_TARGETS = ("attn.to_", "attn.add_", "ff.net", "ff_context.net", "proj_mlp", "proj_out")
@@ -427,8 +431,8 @@ def worker(names: list[str], args) -> None:
         return print("ROW " + json.dumps(warm_start(args)), flush=True)
     if names == ["lora"]:
         return print("ROW " + json.dumps(lora_switching(args)), flush=True)
-    if names == ["zerogpu"]:
-        print("ROW " + json.dumps(zerogpu_start(args)), flush=True)
+    if names[0] in ZEROGPU:
+        print("ROW " + json.dumps(zerogpu_start(args, names[0])), flush=True)
         os._exit(0)  # a Space never stops: closing it hung here (H200, 2026-12-01); its worker is ended
     pipe = build(args)
     work = Path(args.work)
@@ -572,29 +576,43 @@ def lora_switching(args) -> dict:
     return row
 
 
-def zerogpu_start(args) -> dict:
-    """app.py as a ZeroGPU Space runs it; this process is the Space's main process, under
+def zerogpu_start(args, name: str) -> dict:
+    """app.py as a ZeroGPU Space runs it, compiled (`zerogpu`) or eager (`zerogpu-eager`,
+    AOT_COMPILE=0, which run_group sets); this process is the Space's main process, under
     zerogpu_harness.py (run_group starts it so): CUDA is emulated here, GPU work runs in workers.
 
     isa_probe_s: the CPU ISA probe, finished here before the first fork (a Space overlaps it with
     loading the weights). ready_s: `import app` (the startup call compiles in a worker and returns
     the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
-    packs the weights to disk. first_request_s: /generate on a new worker (weights from disk to the
-    GPU, every block bound, the step's CUDA graph captured, then the image). s_per_image: warm
-    requests (the worker reused). step_ms: (warm request - request of 2 steps) / (steps - 2).
-    Peak GPU memory belongs to the worker and is not measured here.
+    packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
+    worker before each), median of `NEW_WORKERS`; s_per_image: warm requests (the worker reused);
+    step_ms: (warm request - request of 2 steps) / (steps - 2). moved_gb: the weights a new worker
+    moves (`zerogpu.weight_bytes`). The worker's own breakdown comes from its `zerogpu-call` log
+    lines (`zerogpu.gpu`), medians over new workers: wait_s (asking for the GPU to the call: spaces
+    moving the weights), the AoT-only costs (package loads, binds, CUDA graph captures), and
+    other_first_s (the first call minus a warm call minus those: first calls of the text encoders,
+    the VAE, kernels). Peak GPU memory belongs to the worker and is not measured here.
     """
+    import logging
+
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
 
     import replicas
+    import zerogpu
 
-    row = {"scenario": "zerogpu", "cold": True}
+    calls = Path(args.work) / f"{name}-calls.log"  # workers fork after this: they inherit the handler
+    handler = logging.FileHandler(calls)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("zerogpu").addHandler(handler)
+    row = {"scenario": name, "cold": True}
     if args.model == RANDOM:
-        probe_cpu_isa_in_background()  # as load_pipeline does
+        if name == "zerogpu":
+            probe_cpu_isa_in_background()  # as load_pipeline does
         pipe = random_flux_dev_on_cpu().to("cuda")  # emulated CUDA tensors: the weights stay in this process
     else:
-        pipe = load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model}))
+        env = {**os.environ, "MODEL_ID": args.model, "AOT_COMPILE": str(int(name == "zerogpu"))}
+        pipe = load_pipeline(Options.from_env(environ=env))
     replicas.load_pipeline = lambda options: pipe  # app.py loads it no other way
     start = time.perf_counter()
     wait_for_cpu_isa_probe()
@@ -604,25 +622,42 @@ def zerogpu_start(args) -> dict:
 
     row["ready_s"] = time.perf_counter() - start
     row["decisions"] = [app.STATUS]
+    row["moved_gb"] = zerogpu.weight_bytes(pipe) / 1e9
     port = int(os.environ["GRADIO_SERVER_PORT"])
     start = time.perf_counter()
     app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
     row["launch_s"] = time.perf_counter() - start
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
 
-    def request(steps: int) -> float:
+    def request(steps: int, new_worker: bool = False) -> float:
+        if new_worker:
+            urllib.request.urlopen(reclaim, timeout=30).close()  # the harness kills the GPU worker
         begin = time.perf_counter()
         client.predict(PROMPTS[0], 0, False, args.size, args.size, steps, 3.5, api_name="/generate")
         return time.perf_counter() - begin
 
-    row["first_request_s"] = request(args.steps)
-    row["s_per_image"] = statistics.median(request(args.steps) for _ in range(3))
-    short = statistics.median(request(2) for _ in range(3))
+    new = [request(args.steps, new_worker=True)]
+    row["s_per_image"] = statistics.median(request(args.steps) for _ in range(2))
+    short = statistics.median(request(2) for _ in range(2))
     row["step_ms"] = (row["s_per_image"] - short) / (args.steps - 2) * 1e3
-    row["new_worker_s"] = row["first_request_s"] - row["s_per_image"]
-    reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
-    urllib.request.urlopen(reclaim, timeout=30).close()  # the harness kills the GPU worker
+    new += [request(args.steps, new_worker=True) for _ in range(NEW_WORKERS - 1)]
+    row["new_worker_s"] = statistics.median(new)
+    urllib.request.urlopen(reclaim, timeout=30).close()
+    lines = [json.loads(line.split(" ", 1)[1]) for line in calls.read_text().splitlines() if "zerogpu-call" in line]
+    infer = [line for line in lines if line["fn"] == "infer"]
+    firsts = [line for line in infer if line["new_worker"]]
+    warm = statistics.median(line["call_s"] for line in infer if line["call"] in (2, 3))  # the full warm requests
+    for key in ("wait_s", "call_s", "loads", "load_s", "binds", "bind_s", "captures", "capture_s"):
+        row[f"new_{key}"] = statistics.median(line[key] for line in firsts)
+    row["new_aot_s"] = row["new_load_s"] + row["new_bind_s"] + row["new_capture_s"]
+    row["new_other_first_s"] = row["new_call_s"] - warm - row["new_aot_s"]
+    row["warm_call_s"] = warm
     return row
+
+
+# New workers measured per zerogpu row (the first request, and after each reclaim).
+NEW_WORKERS = 3
 
 
 def environment() -> dict:
@@ -651,8 +686,9 @@ def run_group(names: list[str], args, logs: Path) -> list[dict]:
         "TRITON_CACHE_DIR": str(caches / "triton"),
     }
     cmd = [sys.executable, __file__, "--worker", ",".join(names), *_shared_flags(args)]
-    if names == ["zerogpu"]:  # the Space's main process in ZeroGPU mode, the device API beside it
+    if names[0] in ZEROGPU:  # the Space's main process in ZeroGPU mode, the device API beside it
         env["GRADIO_SERVER_PORT"] = str(_free_port())
+        env["AOT_COMPILE"] = str(int(names[0] == "zerogpu"))
         harness = [str(ROOT / "zerogpu_harness.py"), "--port", str(_free_port())]
         if not torch.cuda.is_available():
             harness.append("--cpu")  # a smoke run on a machine without a GPU
@@ -720,13 +756,6 @@ def table(rows: list[dict], args) -> str:
                 f"{row['scenario']} {block}: export {meta['export_s']:.1f} s, compile {meta['compile_s']:.1f} s, "
                 f"rel. error {meta['rel_error']:.1e}{' (FP8)' if meta['fp8'] else ''}"
             )
-        if row["scenario"] == "zerogpu":
-            notes.append(
-                f"zerogpu: startup compile in a worker + apply {row['ready_s']:.1f} s (ISA probe before it "
-                f"{row['isa_probe_s']:.1f} s), launch (packs the weights) {row['launch_s']:.1f} s; first request on a "
-                f"new worker {row['first_request_s']:.2f} s, warm {row['s_per_image']:.2f} s: a new worker costs "
-                f"{row['new_worker_s']:.2f} s"
-            )
         if row["scenario"] == "lora":
             notes.append(
                 f"lora: rank {LORA_RANK} on {row['lora_layers']} layers; switch from none "
@@ -739,7 +768,36 @@ def table(rows: list[dict], args) -> str:
                 f"warm: load + verify + apply {row['load_s']:.2f} s, first step (binds every block) "
                 f"{row['first_step_s']:.2f} s, CPU ISA probes run: {row['isa_probes']}"
             )
-    return "\n".join(lines + [""] + notes)
+    return "\n".join(lines + [""] + notes + zerogpu_table(rows))
+
+
+def zerogpu_table(rows: list[dict]) -> list[str]:
+    """The ZeroGPU rows side by side: what a visitor waits for on a new worker and on a warm one."""
+    done = {row["scenario"]: row for row in rows if row["scenario"] in ZEROGPU and "error" not in row}
+    if not done:
+        return []
+    lines = [
+        "",
+        "| ZeroGPU mode | new worker s | warm s | step ms | GB moved | new worker: wait s (weights) | package "
+        "loads, s | binds, s | graph captures, s | other first calls s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in done.items():
+        lines.append(
+            f"| {name} | {row['new_worker_s']:.2f} | {row['s_per_image']:.2f} | {row['step_ms']:.1f} "
+            f"| {row['moved_gb']:.1f} | {row['new_wait_s']:.2f} | {row['new_loads']:.0f}, {row['new_load_s']:.3f} "
+            f"| {row['new_binds']:.0f}, {row['new_bind_s']:.3f} | {row['new_captures']:.0f}, "
+            f"{row['new_capture_s']:.3f} | {row['new_other_first_s']:.2f} |"
+        )
+    if len(done) == 2:
+        aot, eager = done["zerogpu"], done["zerogpu-eager"]
+        lines.append(
+            f"\nzerogpu vs zerogpu-eager: new worker {aot['new_worker_s'] / eager['new_worker_s']:.2f}x the time, "
+            f"warm step {eager['step_ms'] / aot['step_ms']:.2f}x faster, {aot['moved_gb'] / eager['moved_gb']:.2f}x "
+            f"the bytes; AoT-only part of a new worker {aot['new_aot_s']:.3f} s; startup {aot['ready_s']:.1f} s "
+            f"(ISA probe before it {aot['isa_probe_s']:.1f} s), launch (packs the weights) {aot['launch_s']:.1f} s"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -772,14 +830,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker.split(","), args)
         return 0
-    family_names = [n for n in names if n not in ("warm", "zerogpu")]
+    family_names = [n for n in names if n not in ("warm", *ZEROGPU)]
     wanted = args.scenarios.split(",") if args.scenarios else family_names if args.family else names
     if "eager" not in wanted or any(n not in names for n in wanted):
         parser.error(f"--scenarios: include eager; choose from {', '.join(names)}")
     if "warm" in wanted and "all" not in wanted:
         parser.error("--scenarios: warm starts from the packages `all` saves; add all")
-    if args.family and ({"warm", "zerogpu"} & set(wanted)):
-        parser.error("--family measures eager, aot, aot+fa3, aot+fp8 and all; warm and zerogpu run FLUX.1-dev")
+    if args.family and ({"warm", *ZEROGPU} & set(wanted)):
+        parser.error("--family measures eager, aot, aot+fa3, aot+fp8, all and sm120; warm and zerogpu run FLUX.1-dev")
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         logs = Path(args.logs or work)

@@ -297,7 +297,7 @@ class BlockPackage:
     package: bytes
     contract: Contract
     constants: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
-    fp8: bool
+    fp8: str | None  # the FP8 granularity its linear layers were quantized at ("row", "tensor"), or None
     export_s: float
     compile_s: float
     rel_error: float
@@ -664,7 +664,7 @@ class Compiled:
     decisions: list[Decision]
     resolution: Resolution
     fa3_kernel: str | None
-    fp8_granularity: str
+    fp8_granularity: str | None  # of the FP8 packages; None where every package is bf16
     fingerprint: dict[str, Any]  # what the packages are valid for (`packages.fingerprint`)
     source: str = "compiled"  # or "loaded from <folder or repo>"
 
@@ -701,7 +701,7 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
         package = compiled.packages[name]
         if package.fp8:
             for block in found:
-                quantize_block_(block, fp8_config(compiled.fp8_granularity))
+                quantize_block_(block, fp8_config(package.fp8))
         for index, block in enumerate(found):
             check_constants(block, package, index)
         shared = SharedPackage(package, compiled.fa3_kernel)  # one load per class, not per block

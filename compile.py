@@ -70,13 +70,14 @@ from fast_paths import (
     FP8_MAX_REL_ERROR,
     FP8_MIN_FEATURES,
     Decision,
+    attention_steps,
     fp8_config,
+    fp8_steps,
     one_line,
     quantize_block_,
     refuse_impossible_requests,
-    resolve_attention,
     resolve_cuda_graphs,
-    resolve_fp8,
+    resolve_plan,
 )
 from graphs import GraphedStep, graph_step_
 from options import Options
@@ -235,9 +236,10 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     transformer = pipe.transformer
     blocks = repeated_blocks(transformer)
     resolution = options.resolution(pipe.vae_scale_factor)
-    attention = resolve_attention(options, transformer, transformer.device)
-    fp8 = resolve_fp8(options, transformer.device)
-    log.info("%s", attention)
+    plan, planned = resolve_plan(options, transformer.device)
+    kernels, skipped = attention_steps(options, plan, transformer, transformer.device)
+    granularities, fp8_off = fp8_steps(options, plan, transformer.device)
+    log.info("%s", planned)
 
     if resolution.min_side == resolution.max_side:
         raise ValueError(
@@ -271,73 +273,90 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
         classes[name] = (block, kwargs, contract, reference)
 
-    try:
-        packages, fp8_notes = _compile_classes(classes, attention, fp8, options)
-    except Exception as exc:
-        if attention.value != "fa3" or options.attention != "auto":
-            raise
-        attention = Decision("attention", "sdpa", f"auto: FA3 blocks failed their trial: {_brief(exc)}")
-        log.warning("%s", attention)
-        packages, fp8_notes = _compile_classes(classes, attention, fp8, options)
-    if fp8.value == "on":
-        fp8 = Decision(
-            "fp8", "on" if any(p.fp8 for p in packages.values()) else "off", f"{fp8.reason}; " + "; ".join(fp8_notes)
-        )
+    walked = list(skipped)
+    for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
+        try:
+            packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
+            break
+        except Exception as exc:
+            if kernel == kernels[-1]:
+                raise
+            walked.append(f"{kernel} failed its trial ({_brief(exc)})")
+            log.warning("attention: %s", walked[-1])
+    origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
+    attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
+    origin = f"plan {plan.name}" if options.fp8_granularity == "auto" else f"fp8_granularity={options.fp8_granularity}"
+    fp8 = Decision("fp8", granularity or "off", f"{origin}: " + " -> ".join(fp8_walk) if granularities else fp8_off)
+    log.info("%s", attention)
     log.info("%s", fp8)
     valid_for = fingerprint(transformer, resolution, attention, fp8, options)
     valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
-    kernel = options.fa3_kernel if attention.value == "fa3" else None
-    return Compiled(packages, [attention, fp8], resolution, kernel, options.fp8_granularity, valid_for)
+    fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
+    return Compiled(packages, [planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 
 
 def _compile_classes(
     classes: dict[str, tuple[torch.nn.Module, dict[str, Any], Contract, Any]],
-    attention: Decision,
-    fp8: Decision,
+    attention: str,
+    granularities: list[str],
     options: Options,
-) -> tuple[dict[str, BlockPackage], list[str]]:
-    """One package per class under `attention`; FP8 where it is on and passes its trial.
+) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
+    """One package per class with `attention`; FP8 at the first of `granularities` whose trial runs.
 
-    With `fp8=auto`, a class whose FP8 block fails to export, compile, load, or to stay within
-    `FP8_MAX_REL_ERROR` of eager is compiled in bf16, with the reason in the returned notes.
+    The granularities are walked in order. One whose FP8 block fails to export, compile, load or
+    run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
+    class whose FP8 block runs but differs from eager by more than `FP8_MAX_REL_ERROR` stays in bf16
+    (`fp8=auto`). Returns the packages, the granularity they use (None: all bf16), and the walk: a
+    note per step, ending in "bf16" where no granularity was kept.
 
     Raises:
         RuntimeError: a bf16 package differs from its eager block by more than `MAX_REL_ERROR`.
-        Exception: whatever export or compile raised, for a path with no fallback left.
+        Exception: what the bf16 export or compile raised (the caller falls back to the next
+            attention kernel), or, with `fp8=on`, what the last granularity's trial raised.
     """
-    packages, fp8_notes = {}, []
-    for name, (block, kwargs, contract, reference) in classes.items():
-        package = None
-        if fp8.value == "on":
-            try:
-                quantized = copy.deepcopy(block)
-                counts = quantize_block_(quantized, fp8_config(options.fp8_granularity))
-                if counts[0] == 0:
-                    note = f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}: bf16"
-                else:
-                    package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=True)
-                    note = f"{name}: {counts[0]} linear layers in FP8, {counts[1]} kept"
-                    note += f", rel. error {package.rel_error:.1e}"
-                if package is not None and not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
-                    note += f" > {FP8_MAX_REL_ERROR:.0e}: kept in bf16"
-                    package = None
-            except Exception as exc:
-                if options.fp8 != "auto":
-                    raise
-                note = f"{name}: FP8 failed its trial ({_brief(exc)}): kept in bf16"
-                log.warning("%s", note)
-            finally:
-                quantized = None
-            fp8_notes.append(note)
-        if package is None:
-            package = _compile_class(name, block, kwargs, contract, attention, reference, fp8=False)
+    plain: dict[str, BlockPackage] = {}
+
+    def bf16(name: str) -> BlockPackage:
+        if name not in plain:
+            block, kwargs, contract, reference = classes[name]
+            package = _compile_class(name, block, kwargs, contract, attention, reference, fp8=None)
             if not package.rel_error <= MAX_REL_ERROR:
                 raise RuntimeError(
                     f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
                     f"above {MAX_REL_ERROR:.0e}"
                 )
-        packages[name] = package
-    return packages, fp8_notes
+            plain[name] = package
+        return plain[name]
+
+    walk = []
+    for granularity in granularities:
+        fp8, notes = {}, []
+        try:
+            for name, (block, kwargs, contract, reference) in classes.items():
+                quantized = copy.deepcopy(block)
+                counts = quantize_block_(quantized, fp8_config(granularity))
+                if counts[0] == 0:
+                    notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
+                    continue
+                package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=granularity)
+                note = f"{name} {counts[0]} layers FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
+                if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
+                    note += f" > {FP8_MAX_REL_ERROR:.0e}: bf16"
+                else:
+                    fp8[name] = package
+                notes.append(note)
+        except Exception as exc:
+            if options.fp8 != "auto" and granularity == granularities[-1]:
+                raise
+            walk.append(f"{granularity} failed its trial ({name}: {_brief(exc)})")
+            log.warning("fp8: %s", walk[-1])
+            continue
+        finally:
+            quantized = None
+        walk.append(f"{granularity}: " + "; ".join(notes))
+        if fp8:
+            return {name: fp8.get(name) or bf16(name) for name in classes}, granularity, walk
+    return {name: bf16(name) for name in classes}, None, walk + ["bf16"] * bool(granularities)
 
 
 def _brief(exc: Exception) -> str:
@@ -350,18 +369,19 @@ def _compile_class(
     block: torch.nn.Module,
     kwargs: dict[str, Any],
     contract: Contract,
-    attention: Decision,
+    attention: str,
     reference: Any,
-    fp8: bool,
+    fp8: str | None,
 ) -> BlockPackage:
-    """Export and compile `block`, then run the package once against the eager `reference`."""
+    """Export and compile `block` (FP8-quantized at granularity `fp8`, or None) under `attention`
+    ("fa3" or "sdpa"), then run the package once against the eager `reference`."""
     from diffusers.models.attention_dispatch import attention_backend
 
     start = time.perf_counter()
-    with attention_backend("_flash_3" if attention.value == "fa3" else "native"):
+    with attention_backend("_flash_3" if attention == "fa3" else "native"):
         exported = export_block(block, kwargs, contract)
     export_s = time.perf_counter() - start
-    if attention.value == "fa3":
+    if attention == "fa3":
         op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
         if not any(node.target is op for node in exported.graph.nodes):
             raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")

@@ -28,6 +28,105 @@ FP8_MIN_FEATURES = 256
 
 
 @dataclass(frozen=True)
+class Plan:
+    """What one kind of GPU tries, in order, for each fast path compiled into the blocks.
+
+    Each entry is a trial (export, compile, load, parity against eager) that falls back to the
+    next with its reason: `attention` kernels, then `fp8` granularities (bf16 after the last).
+    """
+
+    name: str  # "sm_90"
+    attention: tuple[str, ...]
+    fp8: tuple[str, ...]
+    why: str  # where the order comes from
+
+
+# The plan per GPU, keyed by compute capability (major, minor): the first row whose range holds the
+# GPU's. Row-wise scaled FP8 measured fastest on the H200 (1.85x vs 1.71x per tensor, BENCHMARKS.md).
+PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
+    ((9, 0), (9, 9), Plan("sm_90", ("fa3", "sdpa"), ("row", "tensor"), "Hopper: FA3 runs, row-wise FP8 first")),
+    (
+        (12, 0),
+        (12, 9),
+        Plan(
+            "sm_120",
+            ("sdpa",),
+            ("tensor",),
+            "RTX Blackwell (ZeroGPU's RTX Pro 6000): FA3 is a Hopper kernel; cuBLAS refuses row-wise scaled FP8 "
+            "there (pytorch#192707, #161236)",
+        ),
+    ),
+    ((10, 0), (11, 9), Plan("sm_100", ("sdpa",), ("row", "tensor"), "datacenter Blackwell: FA3 is a Hopper kernel")),
+    ((8, 9), (8, 9), Plan("sm_89", ("sdpa",), ("tensor",), "Ada: torch's row-wise scaled FP8 needs sm_90 (C14)")),
+    ((0, 0), (8, 8), Plan("sm_80", ("sdpa",), (), "FP8 needs compute capability >= 8.9")),
+)
+CPU_PLAN = Plan("cpu", ("sdpa",), (), "no CUDA GPU")
+
+
+def plan_for(capability: tuple[int, int] | None) -> Plan:
+    """The plan for compute capability `capability` (None: no CUDA GPU). Raises `ValueError` for a
+    capability no row covers."""
+    if capability is None:
+        return CPU_PLAN
+    for low, high, plan in PLANS:
+        if low <= capability <= high:
+            return plan
+    raise ValueError(f"no plan for compute capability {'.'.join(map(str, capability))}: fast_paths.PLANS")
+
+
+def resolve_plan(options: Options, device: torch.device) -> tuple[Plan, Decision]:
+    """This GPU's plan, or the one `options.plan` forces (`12.0` rehearses ZeroGPU's card on another
+    GPU); the decision says which and why. Call it where the real card is (a ZeroGPU worker)."""
+    here = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    gpu = f"{torch.cuda.get_device_name(device)}, sm_{''.join(map(str, here))}" if here else device.type
+    if options.plan == "auto":
+        plan = plan_for(here)
+        return plan, Decision("plan", plan.name, f"auto: {gpu}; {plan.why}")
+    plan = plan_for(tuple(int(part) for part in options.plan.split(".")))
+    return plan, Decision("plan", plan.name, f"forced by plan={options.plan} on {gpu}; {plan.why}")
+
+
+def attention_steps(
+    options: Options, plan: Plan, transformer: torch.nn.Module, device: torch.device
+) -> tuple[list[str], list[str]]:
+    """The attention kernels to trial, in order (the plan's with `auto`, else the one asked for),
+    and a note for each of the plan's kernels left out: FA3 only where `resolve_attention`'s checks
+    pass (Hopper, dtype, head dim, a kernel that loads).
+
+    Raises:
+        RuntimeError: `attention=fa3` was asked for and cannot run (`resolve_attention`).
+    """
+    if options.attention != "auto":
+        return [resolve_attention(options, transformer, device).value], []
+    kernels, skipped = list(plan.attention), []
+    if "fa3" in kernels:
+        checked = resolve_attention(options, transformer, device)
+        if checked.value != "fa3":
+            kernels.remove("fa3")
+            skipped.append(f"fa3 skipped ({checked.reason.removeprefix('auto: ')})")
+    return kernels or ["sdpa"], skipped
+
+
+def fp8_steps(options: Options, plan: Plan, device: torch.device) -> tuple[list[str], str]:
+    """The FP8 granularities to trial, in order, bf16 after them (the plan's with
+    `fp8_granularity=auto`, else the one asked for), and the reason FP8 is off where the list is empty.
+
+    Raises:
+        RuntimeError: `fp8=on` was asked for and cannot run here or under the plan.
+    """
+    checked = resolve_fp8(options, device)
+    if checked.value == "off":
+        return [], checked.reason
+    if options.fp8_granularity != "auto":
+        return [options.fp8_granularity], ""
+    if not plan.fp8:
+        if options.fp8 == "on":
+            raise RuntimeError(f"fp8=on cannot run: plan {plan.name} has no FP8 ({plan.why}). Use --fp8 auto or off.")
+        return [], f"auto: plan {plan.name}: {plan.why}"
+    return list(plan.fp8), ""
+
+
+@dataclass(frozen=True)
 class Decision:
     """One resolved choice, e.g. `attention: sdpa (auto: no CUDA device)`."""
 
@@ -75,9 +174,12 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
 
     Raises:
         RuntimeError: the message the full decision would give later.
+        ValueError: a forced `plan` that no row of `PLANS` covers.
     """
     from zerogpu import ON_ZEROGPU
 
+    if options.plan != "auto":
+        plan_for(tuple(int(part) for part in options.plan.split(".")))  # a capability no row covers raises
     emulated = device.type == "cuda" and ON_ZEROGPU
     if options.attention == "fa3" and not emulated:
         problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)

@@ -68,11 +68,20 @@ class Options:
         ),
     )
     fp8_granularity: str = field(
-        default="row",
+        default="auto",
         metadata=_option(
             "AOT_FP8_GRANULARITY",
-            "FP8 scaling: one scale per row (activations per token, weights per output channel) or per tensor",
-            choices=("row", "tensor"),
+            "FP8 scaling: one scale per row (activations per token, weights per output channel), per tensor, or"
+            " auto: the GPU's plan (fast_paths.PLANS: row then tensor on Hopper, tensor on sm_89 and sm_120)",
+            choices=("auto", "row", "tensor"),
+        ),
+    )
+    plan: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_PLAN",
+            "which GPU's plan of fast-path trials to follow: auto (this GPU's compute capability) or a capability"
+            " such as 12.0, to rehearse ZeroGPU's RTX Pro 6000 plan on another GPU",
         ),
     )
     cuda_graphs: str = field(
@@ -85,12 +94,13 @@ class Options:
         ),
     )
     gpu_size: str = field(
-        default="large",
+        default="auto",
         metadata=_option(
             "AOT_GPU_SIZE",
             "ZeroGPU card size for the startup compile and each request (@spaces.GPU(size=...)): large = half an"
-            " RTX Pro 6000 Blackwell (48 GB), xlarge = the whole card (96 GB, twice the quota); ignored off ZeroGPU",
-            choices=("large", "xlarge"),
+            " RTX Pro 6000 Blackwell (48 GB), xlarge = the whole card (96 GB, twice the quota), auto = spaces'"
+            " default (large, or xlarge where the weights packed at launch exceed 42 GiB); ignored off ZeroGPU",
+            choices=("auto", "large", "xlarge"),
         ),
     )
     lora: str | None = field(
@@ -197,6 +207,8 @@ class Options:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r}: allowed values are {', '.join(choices)}")
+        if not re.fullmatch(r"auto|\d{1,2}\.\d", self.plan):
+            raise ValueError(f"plan={self.plan!r}: use auto or a compute capability such as 12.0 or 9.0")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if not re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", self.devices):

@@ -42,11 +42,13 @@ from typing import Any, BinaryIO
 import torch
 
 from blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
-from fast_paths import FA3_KERNEL_VERSION, Decision, one_line, resolve_attention, resolve_fp8
+from fast_paths import FA3_KERNEL_VERSION, Decision, attention_steps, fp8_steps, one_line, resolve_plan
 from options import Options, Resolution
 
 log = logging.getLogger("packages")
-SCHEMA = 3  # 3: contracts give each dynamic dim as image and text coefficients (blocks.TensorSpec)
+# 3: contracts give each dynamic dim as image and text coefficients (blocks.TensorSpec); 4: fp8 is the
+# granularity the GPU's plan kept ("row", "tensor") or "off", per package and for the set.
+SCHEMA = 4
 PACKAGE = "package.pt2"
 
 
@@ -83,7 +85,7 @@ def fingerprint(
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
         "attention": attention.value,
         "fa3_kernel": options.fa3_kernel if attention.value == "fa3" else None,
-        "fp8": options.fp8_granularity if fp8.value == "on" else "off",
+        "fp8": fp8.value,  # the granularity, or off
         "blocks": {
             name: {
                 "count": len(found),
@@ -327,14 +329,21 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     """
     transformer = pipe.transformer
     resolution = options.resolution(pipe.vae_scale_factor)
-    attention = resolve_attention(options, transformer, transformer.device)
-    fp8 = resolve_fp8(options, transformer.device)
-    here = fingerprint(transformer, resolution, attention, fp8, options)
-    name = variant(here)
+    plan, _ = resolve_plan(options, transformer.device)
+    kernels, _ = attention_steps(options, plan, transformer, transformer.device)
+    granularities, _ = fp8_steps(options, plan, transformer.device)
+    candidates = {}  # variant -> fingerprint, in the plan's order: what a compile here would try
+    for kernel in kernels:
+        for granularity in [*granularities, "off"]:
+            attention, fp8 = Decision("attention", kernel, ""), Decision("fp8", granularity, "")
+            here = fingerprint(transformer, resolution, attention, fp8, options)
+            candidates.setdefault(variant(here), here)
     try:
-        folder, label, cache = _fetch(source, name)
+        folder, label, cache = _fetch(source, list(candidates))
     except Exception as exc:  # network, auth, no such repo or revision
         return None, one_line(f"cannot read {source}: {type(exc).__name__}: {exc}", REASON_LIMIT)
+    name = next((n for n in candidates if (folder / f"config.{n}.json").is_file()), next(iter(candidates)))
+    here = candidates[name]
     try:
         packages, config = _read_packages(folder, source, name, here, resolution, cache)
     except Refused as exc:
@@ -436,17 +445,19 @@ def _check_config(config: Any, config_name: str, classes: list[str]) -> None:
             and meta["bytes"] >= 0
             and isinstance(meta.get("sha256"), str)
             and re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]) is not None
-            and isinstance(meta.get("fp8"), bool)
+            and meta.get("fp8", "") in ("row", "tensor", None)
         )
         if not ok:
-            raise Refused(f"{config_name} is malformed: {block} needs bytes (int), sha256 (hex) and fp8 (bool)")
+            raise Refused(
+                f"{config_name} is malformed: {block} needs bytes (int), sha256 (hex) and fp8 (row, tensor or null)"
+            )
     decisions = config.get("decisions")
     if not isinstance(decisions, list) or not all(
         isinstance(d, list) and len(d) == 3 and all(isinstance(x, str) for x in d) for d in decisions
     ):
         raise Refused(f"{config_name} is malformed: decisions must be [name, value, reason] strings")
-    if config.get("fp8_granularity") not in ("row", "tensor"):
-        raise Refused(f"{config_name} is malformed: fp8_granularity must be row or tensor")
+    if config.get("fp8_granularity", "") not in ("row", "tensor", None):
+        raise Refused(f"{config_name} is malformed: fp8_granularity must be row, tensor or null")
 
 
 def _open_inside(folder: Path, relative: str, cache: Path | None = None) -> BinaryIO:
@@ -558,11 +569,11 @@ def check_push_target(target: str) -> None:
             )
 
 
-def _fetch(source: str, name: str) -> tuple[Path, str, Path | None]:
+def _fetch(source: str, names: list[str]) -> tuple[Path, str, Path | None]:
     """The folder to read, what to call it in the report, and the Hub cache its files may link into.
 
-    A local folder is read as is, after `_tidy` (interrupted saves). A Hub repo: the variant's files
-    at the revision asked for (`owner/name@revision`, else main), downloaded or cached by
+    A local folder is read as is, after `_tidy` (interrupted saves). A Hub repo: the files of the
+    variants `names` at the revision asked for (`owner/name@revision`, else main), downloaded or cached by
     huggingface_hub, called `owner/name@<commit>`: the commit actually loaded.
     """
     repo = hub_repo(source)
@@ -571,7 +582,7 @@ def _fetch(source: str, name: str) -> tuple[Path, str, Path | None]:
         return Path(source), source, None
     from huggingface_hub import snapshot_download
 
-    patterns = [f"config.{name}.json", f"*.{name}/{PACKAGE}"]
+    patterns = [pattern for name in names for pattern in (f"config.{name}.json", f"*.{name}/{PACKAGE}")]
     snapshot = Path(snapshot_download(repo.repo_id, revision=repo.revision, allow_patterns=patterns))
     label = hub_label(repo, snapshot)
     if repo.revision is not None and COMMIT.fullmatch(repo.revision):

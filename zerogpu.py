@@ -53,6 +53,9 @@ ON_ZEROGPU: bool = Config.zero_gpu  # SPACES_ZERO_GPU=1/t/true, read by spaces a
 log = logging.getLogger("zerogpu")
 # The longest a startup call may hold the GPU: the recipe's maximum for `@spaces.GPU` at import time.
 STARTUP_SECONDS = 1500
+# Above this many bytes packed at launch spaces makes `xlarge` its default size (`xlarge_threshold` of
+# the RTX Pro 6000 entry in spaces 0.51.3's zero/configs.json: 42 GiB of the half card's 48 GB).
+LARGE_MAX_BYTES = 45_097_156_608
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,8 +86,8 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
         duration: seconds the call may hold the GPU, or a function of `fn`'s arguments that returns
             them (spaces multiplies it by the card's duration factor, 1.5 on a `large` Blackwell
             half card: `spaces/zero/configs.json`).
-        size: `large` (half an RTX Pro 6000 Blackwell, 48 GB) or `xlarge` (the whole card, 96 GB);
-            None is ZeroGPU's default, `large`.
+        size: `large` (half an RTX Pro 6000 Blackwell, 48 GB), `xlarge` (the whole card, 96 GB), or
+            `auto`/None: spaces' default (`large`, `xlarge` past `LARGE_MAX_BYTES` packed).
 
     Returns:
         `fn` itself outside ZeroGPU; on ZeroGPU a function that schedules a worker, runs `fn` there,
@@ -104,7 +107,7 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
         except Exception as exc:
             raise WorkerError(_picklable(exc), traceback.format_exc()) from None
 
-    scheduled = spaces.GPU(in_worker, duration=duration, size=size)
+    scheduled = spaces.GPU(in_worker, duration=duration, size=None if size == "auto" else size)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -144,6 +147,49 @@ def _logged(name: str):
         line = {"fn": name, "pid": os.getpid(), "new_worker": new, "call": _calls, "wait_s": round(waited, 3)}
         line.update(call_s=round(time.perf_counter() - start, 3), **spent)
         log.info("zerogpu-call %s", json.dumps(line))
+
+
+def weight_bytes(pipe: Any) -> int:
+    """Bytes of the CUDA tensors (parameters and buffers, each once) of `pipe`'s components: on
+    ZeroGPU what spaces packs at launch and a new worker moves to the GPU before its first call. A
+    quantized weight counts its inner tensors (torchao's FP8: one byte a value plus its scales)."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+        if not is_traceable_wrapper_subclass(tensor):
+            return [tensor]
+        return [leaf for attr in tensor.__tensor_flatten__()[0] for leaf in plain(getattr(tensor, attr))]
+
+    seen: dict[int, torch.Tensor] = {}
+    for module in [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            seen.update((id(t), t) for t in plain(tensor) if t.device.type == "cuda")
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def check_size(pipe: Any, size: str) -> str:
+    """Log what a new worker moves and which ZeroGPU size it fits (`size_advice`); returns the line."""
+    line, warn = size_advice(weight_bytes(pipe), size)
+    (log.warning if warn and ON_ZEROGPU else log.info)("%s", line)
+    return line
+
+
+def size_advice(moved: int, size: str) -> tuple[str, bool]:
+    """One line on `moved` bytes of weights under `AOT_GPU_SIZE=size`, and whether it is a warning:
+    `auto` becomes `xlarge` (twice the quota) past `LARGE_MAX_BYTES`, an explicit `large` may not
+    hold them, and `xlarge` below it takes the whole card for nothing."""
+    amount = f"{moved / 1e9:.1f} GB" if moved >= 1e8 else f"{moved / 1e6:.1f} MB"
+    line, limit = f"a new ZeroGPU worker moves {amount} of weights to the GPU", f"{LARGE_MAX_BYTES / 2**30:.0f} GiB"
+    if moved <= LARGE_MAX_BYTES:
+        if size == "xlarge":
+            return f"{line}: large would hold them; AOT_GPU_SIZE=xlarge takes the whole card at twice the quota", True
+        return f"{line}: fits large (spaces keeps large up to {limit} packed)", False
+    if size == "auto":
+        return f"{line}, over {limit}: spaces runs every GPU call on xlarge (the whole card, twice the quota)", True
+    if size == "large":
+        return f"{line}, over {limit}: AOT_GPU_SIZE=large (48 GB) may not hold them; use auto or xlarge", True
+    return f"{line}, over {limit}: xlarge", False
 
 
 def _picklable(exc: Exception) -> Exception:

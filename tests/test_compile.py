@@ -9,8 +9,8 @@ from diffusers import FluxTransformer2DModel
 from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
 from blocks import (
-    BlockPackage,
     COSTS,
+    BlockPackage,
     CompiledBlock,
     SharedPackage,
     apply_,

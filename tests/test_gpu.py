@@ -47,7 +47,7 @@ def test_fa3_blocks_match_eager():
     pipe = wide_pipeline()
     expected = images(pipe)
     compiled = compile_blocks(pipe, Options(attention="fa3", fa3_kernel=FA3_KERNEL, fp8="off"))
-    assert compiled.decisions[0].value == "fa3", compiled.decisions[0]
+    assert compiled.decisions[1].value == "fa3", compiled.decisions[1]
     assert all(p.rel_error < MAX_REL_ERROR for p in compiled.packages.values())
     apply_(pipe, compiled)
     error = rel_error(images(pipe), expected)
@@ -58,13 +58,26 @@ def test_fp8_blocks_stay_close_to_bf16():
     pipe = wide_pipeline()
     expected = images(pipe)
     compiled = compile_blocks(pipe, Options(attention="sdpa", fp8="on"))
-    assert all(p.fp8 for p in compiled.packages.values()), compiled.decisions[1]
+    assert all(p.fp8 for p in compiled.packages.values()), compiled.decisions[2]
     assert all(p.rel_error < FP8_MAX_REL_ERROR for p in compiled.packages.values())
     apply_(pipe, compiled)
     actual = images(pipe)
     assert torch.isfinite(actual).all()
     error = rel_error(actual, expected)
     assert error < FP8_MAX_REL_ERROR, f"FP8 compiled vs bf16 eager: {error:.2e}"
+
+
+def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
+    # sm_120 (ZeroGPU's RTX Pro 6000) cannot run FA3 or row-wise FP8; its plan tries neither.
+    pipe = wide_pipeline()
+    expected = images(pipe)
+    compiled = compile_blocks(pipe, Options(plan="12.0", fa3_kernel=FA3_KERNEL))
+    plan, attention, fp8 = compiled.decisions
+    assert (plan.value, attention.value, fp8.value) == ("sm_120", "sdpa", "tensor"), compiled.decisions
+    assert all(p.fp8 == "tensor" for p in compiled.packages.values())
+    apply_(pipe, compiled)
+    error = rel_error(images(pipe), expected)
+    assert error < FP8_MAX_REL_ERROR, f"sm_120 plan compiled vs bf16 eager: {error:.2e}"
 
 
 def test_fp32_pipeline_falls_back_to_sdpa():
@@ -123,7 +136,7 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     pipe.unload_lora_weights()
     effect = rel_error(expected, base)
     report = optimize_(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
-    assert "attention: fa3, fp8: on, cuda_graphs: on" in report.summary(), report
+    assert "attention: fa3, fp8: row, cuda_graphs: on" in report.summary(), report
     adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
     before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
@@ -154,7 +167,7 @@ def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_p
         app.wait_until_serving()
         log = app.text()
         assert "GPU granted for 1500 s, worker new" in log
-        assert "attention: fa3, fp8: on, cuda_graphs: on" in log, log[-3000:]
+        assert "attention: fa3, fp8: row, cuda_graphs: on" in log, log[-3000:]
 
         def request(seed=5, steps=4):
             path, _, _ = Client(app.url, verbose=False).predict(

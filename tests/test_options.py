@@ -1,6 +1,7 @@
 """Options (flags, environment, defaults), the resolution rule, and the switch matrix on CPU."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
 
 from blocks import apply_, rel_error
 from compile import compile_blocks, load_pipeline, optimize_
-from fast_paths import Decision, resolve_attention, resolve_cuda_graphs, resolve_fp8
+from fast_paths import Decision, fp8_config, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
 from options import Options, Resolution
 
 
@@ -143,34 +144,84 @@ def test_explicit_request_that_cannot_run_fails_before_any_work():
     assert not calls, "the pipeline ran before the request was refused"
 
 
-def test_auto_fast_paths_that_fail_their_trial_fall_back_with_the_reason(monkeypatch, eager_pipe):
-    # Stand-in for a GPU whose capability checks pass but whose FA3 and FP8 kernels then fail
-    # (C12, C20, C21): the checks are told "on", and the CPU really cannot run either path (the
-    # tiny model's layers are narrower than FP8_MIN_FEATURES: lowered so that FP8 is attempted).
-    import compile
+def capability_checks_pass(monkeypatch, fa3: bool = True):
+    """Stand-in for a GPU whose capability checks pass (FA3 loads, FP8 may run): the CPU then really
+    runs each trial, and the FA3 and FP8 kernels really fail them (C12, C20, C21). The tiny model's
+    layers are narrower than FP8_MIN_FEATURES: lowered so that FP8 is attempted."""
     import fast_paths
 
     monkeypatch.setattr(fast_paths, "FP8_MIN_FEATURES", 16)
-    monkeypatch.setattr(compile, "resolve_attention", lambda *args: Decision("attention", "fa3", "auto: checks passed"))
-    monkeypatch.setattr(compile, "resolve_fp8", lambda *args: Decision("fp8", "on", "auto"))
-    compiled = compile_blocks(load_tiny(), tiny_options())
-    attention, fp8 = compiled.decisions
-    assert attention.value == "sdpa" and attention.reason.startswith("auto: FA3 blocks failed their trial: "), attention
-    assert fp8.value == "off" and fp8.reason.count("FP8 failed its trial") == 2, fp8  # one per block class
-    assert not any(p.fp8 for p in compiled.packages.values())
+    passed = Decision("attention", "fa3" if fa3 else "sdpa", "auto: checks passed")
+    monkeypatch.setattr(fast_paths, "resolve_attention", lambda *args: passed)
+    monkeypatch.setattr(fast_paths, "resolve_fp8", lambda *args: Decision("fp8", "on", "auto"))
+
+
+@pytest.mark.parametrize(
+    ("capability", "plan", "attention", "fp8"),
+    [
+        (None, "cpu", ["sdpa"], []),
+        ((9, 0), "sm_90", ["fa3", "sdpa"], ["row", "tensor"]),
+        ((12, 0), "sm_120", ["sdpa"], ["tensor"]),
+        ((8, 9), "sm_89", ["sdpa"], ["tensor"]),
+        ((8, 0), "sm_80", ["sdpa"], []),
+        ((10, 0), "sm_100", ["sdpa"], ["row", "tensor"]),
+    ],
+)
+def test_the_plan_per_gpu_is_data_keyed_by_compute_capability(capability, plan, attention, fp8):
+    chosen = plan_for(capability)
+    assert (chosen.name, list(chosen.attention), list(chosen.fp8)) == (plan, attention, fp8)
+    with pytest.raises(ValueError, match="no plan for compute capability 13.0"):
+        plan_for((13, 0))
+    with pytest.raises(ValueError, match="plan='12': use auto or a compute capability"):
+        Options(plan="12")
+
+
+def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypatch, eager_pipe):
+    capability_checks_pass(monkeypatch)
+    compiled = compile_blocks(load_tiny(), tiny_options(plan="9.0"))
+    plan, attention, fp8 = compiled.decisions
+    assert (plan.value, attention.value, fp8.value) == ("sm_90", "sdpa", "off")
+    assert plan.reason.startswith("forced by plan=9.0 on cpu; Hopper"), plan
+    assert re.fullmatch(r"plan sm_90: fa3 failed its trial \(.+\) -> sdpa", attention.reason), attention
+    walk = r"plan sm_90: row failed its trial \(.+\) -> tensor failed its trial \(.+\) -> bf16"
+    assert re.fullmatch(walk, fp8.reason), fp8
+    assert not any(p.fp8 for p in compiled.packages.values()) and compiled.fp8_granularity is None
     pipe = load_tiny()
     apply_(pipe, compiled)
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
+    # ZeroGPU's card: no FA3 in its plan (none tried), per-tensor FP8 only.
+    plan, attention, fp8 = compile_blocks(load_tiny(), tiny_options(plan="12.0")).decisions
+    assert (plan.value, attention.reason) == ("sm_120", "plan sm_120: sdpa")
+    assert re.fullmatch(r"plan sm_120: tensor failed its trial \(FluxTransformerBlock: .+\) -> bf16", fp8.reason)
 
 
-def test_fp8_on_that_fails_its_trial_raises(monkeypatch):
+def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, eager_pipe):
+    # Stand-in for per-tensor FP8, which a CPU cannot run: int8 weight-only (torchao), which it can;
+    # row-wise FP8 really fails its trial here, as it does on sm_120.
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    import blocks
     import compile
-    import fast_paths
 
-    monkeypatch.setattr(fast_paths, "FP8_MIN_FEATURES", 16)
-    monkeypatch.setattr(compile, "resolve_fp8", lambda *args: Decision("fp8", "on", "on"))
+    capability_checks_pass(monkeypatch, fa3=False)
+    for module in (compile, blocks):
+        monkeypatch.setattr(module, "fp8_config", lambda g: Int8WeightOnlyConfig() if g == "tensor" else fp8_config(g))
+    compiled = compile_blocks(load_tiny(), tiny_options(plan="9.0"))
+    fp8 = compiled.decisions[2]
+    assert fp8.value == "tensor" and compiled.fp8_granularity == "tensor", fp8
+    assert re.fullmatch(r"plan sm_90: row failed its trial \(.+\) -> tensor: FluxTransformerBlock .+", fp8.reason)
+    assert all(p.fp8 == "tensor" for p in compiled.packages.values())
+    pipe = load_tiny()
+    apply_(pipe, compiled)  # quantizes each class at its package's granularity before binding
+    assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < 5e-2
+
+
+def test_fp8_on_that_fails_every_trial_raises(monkeypatch):
+    capability_checks_pass(monkeypatch, fa3=False)
     with pytest.raises(AssertionError, match="Float8 dynamic quantization requires CUDA"):  # torchao's own check
-        compile_blocks(load_tiny(), tiny_options(fp8="on"))
+        compile_blocks(load_tiny(), tiny_options(fp8="on", plan="9.0"))
+    with pytest.raises(RuntimeError, match="fp8=on cannot run: plan sm_80 has no FP8"):
+        compile_blocks(load_tiny(), tiny_options(fp8="on", plan="8.0"))
 
 
 @pytest.mark.parametrize(
