@@ -10,7 +10,8 @@ It starts a stand-in for ZeroGPU's device API on 127.0.0.1 and runs the command 
 `@spaces.GPU` calls are scheduled here, each runs in a forked worker that gets the GPU, and
 arguments and results are pickled across the fork. What breaks on ZeroGPU (CUDA touched in the
 main process, a pipeline passed as an argument, a worker that cannot start again after a kill)
-breaks here too.
+breaks here too. Ctrl-C and SIGTERM reach the app; the harness waits for it to end, then kills
+the workers it left (as ZeroGPU takes its GPUs back).
 
 The device API (what spaces 0.51.3 calls, `spaces/zero/api.py`; our reading of the client, not
 Hugging Face's server): `--gpus N` (default 1) calls hold a GPU at once, each granted its own
@@ -18,7 +19,7 @@ Hugging Face's server): `--gpus N` (default 1) calls hold a GPU at once, each gr
 events) until an index is free, and fail after 60 s. A call's worker is reused (`idle=true`) only
 when the same task's worker on that index is alive and not busy; a worker is killed when another
 task takes its index, after a failed call, when a call runs past its duration (+
-`--duration-grace`). Startup calls (before the app launches) may ask for
+`--duration-grace`), and when the app exits. Startup calls (before the app launches) may ask for
 up to 1500 s. On a GPU box every index is the same physical GPU (`nvidiaUUID` is
 `ZEROGPU_HARNESS_GPU`, default 0): each of N workers puts its own copy of the weights on that one
 card. Test controls, not part of ZeroGPU's API: `POST /reclaim` kills the worker on every GPU now
@@ -186,6 +187,12 @@ class DeviceAPI:
             for slot in self.slots if index is None else [self.slots[index]]:
                 self.kill(slot.worker, "/reclaim")
                 slot.task, slot.worker = None, None
+
+    def kill_workers(self) -> None:
+        """Kill every worker still alive (the app has exited: the service takes its GPUs back)."""
+        with self.cond:
+            for pid in sorted(self.workers):
+                self.kill(pid, "the app exited")
 
     def status(self) -> dict:
         """What `/status` answers: the counts, how many calls hold a GPU now and at most at once so
@@ -404,12 +411,25 @@ def main(argv: list[str] | None = None) -> int:
     gpus = f", {args.gpus} GPU calls at once" if args.gpus > 1 else ""
     log(f"device API at {url}{gpus}; running {' '.join([args.script, *args.args])} in ZeroGPU mode")
     app = subprocess.Popen(command, env=env)
+    # SIGTERM (a supervisor, `kill`, a test's teardown) ends the app too, not only this process.
+    signal.signal(signal.SIGTERM, lambda signum, frame: app.send_signal(signal.SIGTERM))
     try:
-        return app.wait()
-    except KeyboardInterrupt:
-        app.send_signal(signal.SIGINT)
-        return app.wait()
+        interrupts = 0
+        while True:
+            try:
+                code = app.wait()
+                break
+            except KeyboardInterrupt:  # Ctrl-C: the app hears it too, and this waits for it; twice: kill it
+                interrupts += 1
+                app.send_signal(signal.SIGINT if interrupts == 1 else signal.SIGKILL)
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says it
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if app.poll() is None:  # this process is failing for another reason: do not leave the app serving
+            app.kill()
+            app.wait()
+        server.api.kill_workers()  # a worker outlives an app killed by a signal; ZeroGPU would reclaim it
+        server.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -9,6 +9,7 @@ driver for spaces' worker start) is `zerogpu_harness.use_cpu_worker`: the worker
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -151,7 +152,7 @@ def test_saved_packages_load_in_the_worker_and_every_call_gets_a_new_one(saved, 
 @pytest.fixture(scope="module")
 def three_gpus(saved, tmp_path_factory):
     """The Space under `--gpus 3`: the device API grants three GPU calls at once (saved packages:
-    no compile at startup)."""
+    no compile at startup). `test_sigterm_to_the_harness_ends_the_app_and_its_workers` ends it."""
     log = tmp_path_factory.mktemp("zerogpu-3-gpus") / "app.log"
     app = cpu_space({"AOT_LOAD": str(saved), "AOT_STRICT": "1"}, log, "--gpus", "3")
     yield app.wait_until_serving()
@@ -174,6 +175,34 @@ def test_three_gpus_serve_three_visitors_at_once_each_in_its_own_worker(three_gp
     status = three_gpus.device("/status")
     assert status["allow"] - started["allow"] == 3, "a worker was not reused"
     assert all(np.array_equal(image, images[0]) for image in again)
+
+
+def test_sigterm_to_the_harness_ends_the_app_and_its_workers(three_gpus):
+    """SIGTERM to the harness alone (as a supervisor sends it) ends the app it started and the app's
+    GPU workers: nothing of the Space keeps running, nothing answers on its port."""
+    workers = [gpu["worker"] for gpu in three_gpus.device("/status")["gpus"] if gpu["worker_alive"]]
+    assert workers, "no worker alive to check"
+    group = three_gpus.process.pid  # the harness leads the process group (conftest.Server)
+    assert len(running(group)) > 1 + len(workers), "the harness, the app and its workers"
+    os.kill(group, signal.SIGTERM)
+    assert three_gpus.process.wait(timeout=60) == 128 + signal.SIGTERM  # the app's end, as a shell says it
+    assert running(group) == [], "a process of the Space outlived the harness"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", three_gpus.port), timeout=5).close()
+
+
+def running(group: int) -> list[int]:
+    """The live (not zombie) processes of process group `group`."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # ended meanwhile
+            continue
+        if int(pgrp) == group and state != "Z":
+            found.append(int(stat.split("/")[2]))
+    return found
 
 
 def test_eager_switch_serves_in_zerogpu_mode_with_a_lora_fused_in_the_main_process(tmp_path, eager_pipe):
