@@ -35,12 +35,15 @@ log = logging.getLogger("replicas")
 
 def devices(options: Options) -> list[str]:
     """The devices to serve from: `options.devices` as a list, or for `auto` every visible CUDA GPU
-    (`options.device` alone when it names one, on ZeroGPU, or without CUDA)."""
+    (`options.device` alone when it names one, or without CUDA). On ZeroGPU `options.device` alone:
+    `options.devices` is ignored there (each GPU call's worker gets one GPU; `Replicas.take`)."""
     from zerogpu import ON_ZEROGPU
 
+    if ON_ZEROGPU:
+        return [options.device]
     if options.devices != "auto":
         return options.devices.split(",")
-    if options.device != "auto" or ON_ZEROGPU or not torch.cuda.is_available():
+    if options.device != "auto" or not torch.cuda.is_available():
         return [options.device]
     return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
 
