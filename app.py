@@ -281,7 +281,7 @@ with gr.Blocks(title=f"{FAMILY.label}, compiled ahead of time") as demo:
         outputs=[result, seed_used, notes],
         api_name="generate",
     )
-demo.queue(default_concurrency_limit=len(REPLICAS))  # one request per replica at a time
+demo.queue(default_concurrency_limit=REPLICAS.concurrency, max_size=REPLICAS.max_waiting)  # see Replicas.concurrency
 
 if __name__ == "__main__":
     demo.launch(show_error=True)  # API clients get each error's message, not a generic one

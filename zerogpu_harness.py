@@ -3,22 +3,32 @@
     python zerogpu_harness.py app.py                 # a GPU box: real spaces, real forks, real CUDA
     python zerogpu_harness.py --cpu app.py           # no GPU: the worker computes on the CPU
     python zerogpu_harness.py --cold app.py          # every call gets a new worker (ZeroGPU reclaimed it)
+    python zerogpu_harness.py --gpus 3 app.py        # three visitors' GPU calls at once, each in its worker
 
 It starts a stand-in for ZeroGPU's device API on 127.0.0.1 and runs the command with the real
 `spaces` package in ZeroGPU mode (`SPACES_ZERO_GPU=true`): the main process sees emulated CUDA,
 `@spaces.GPU` calls are scheduled here, each runs in a forked worker that gets the GPU, and
 arguments and results are pickled across the fork. What breaks on ZeroGPU (CUDA touched in the
 main process, a pipeline passed as an argument, a worker that cannot start again after a kill)
-breaks here too.
+breaks here too. Ctrl-C and SIGTERM reach the app; the harness waits for it to end, then kills
+the workers it left (as ZeroGPU takes its GPUs back).
 
 The device API (what spaces 0.51.3 calls, `spaces/zero/api.py`; our reading of the client, not
-Hugging Face's server): one GPU, one task at a time, others queue; a worker is reused (`idle=true`)
-while it lives and the same task asks; it is killed when another task takes the GPU, after a failed
-call, and when a call runs past its duration (+ `--duration-grace`). Startup calls (before the app
-launches) may ask for up to 1500 s. Two test controls, not part of ZeroGPU's API:
-`POST /reclaim` kills the worker on the GPU now, and `POST /abort-next?after=S` kills the worker
-of the next call S seconds into it. Not emulated: the cgroup that hides the GPU from the main
-process, quotas, MIG or half-card slices, the real duration caps.
+Hugging Face's server): `--gpus N` (default 1) calls hold a GPU at once, each granted its own
+`nvidiaIndex` (0 to N-1; spaces keeps one worker per index); further calls queue (server-sent
+events) until an index is free, and fail after 60 s. A call's worker is reused (`idle=true`) only
+when the same task's worker on that index is alive and not busy; a worker is killed when another
+task takes its index, after a failed call, when a call runs past its duration (+
+`--duration-grace`), and when the app exits. Startup calls (before the app launches) may ask for
+up to 1500 s. On a GPU box every index is the same physical GPU (`nvidiaUUID` is
+`ZEROGPU_HARNESS_GPU`, default 0): each of N workers puts its own copy of the weights on that one
+card. Test controls, not part of ZeroGPU's API: `POST /reclaim` kills the worker on every GPU now
+(`?index=I`: on GPU I), `POST /abort-next?after=S` kills the worker of the next call S seconds into
+it, and `GET /status` reports the counts (schedule, grants, allow = workers started, release,
+failed, killed, queued = calls that waited), `holding` and `waiting` now, `most_at_once` (the most
+calls that held a GPU at the same time) and each GPU's task and worker. Not emulated: the cgroup
+that hides the GPU from the main process, quotas, MIG or half-card slices, the real duration caps,
+how many calls at once ZeroGPU grants a Space (`--gpus` picks a number).
 
 `--cpu` replaces the two steps of spaces' worker start that need an NVIDIA driver (see
 `use_cpu_worker`); everything else is the real spaces code. The harness itself is standard library
@@ -60,20 +70,40 @@ def alive(pid: int | None) -> bool:
         return False
 
 
-class DeviceAPI:
-    """The scheduler's state: who holds the GPU, which worker is on it, the tokens handed out."""
+class Slot:
+    """One GPU index (`nvidiaIndex`): the token holding it, and the task and worker on it (busy or idle)."""
 
-    def __init__(self, cold: bool, duration_grace: float, queue_timeout: float):
+    def __init__(self, index: int):
+        self.index = index
+        self.holder: str | None = None
+        self.task: int | None = None
+        self.worker: int | None = None
+
+
+class DeviceAPI:
+    """The scheduler's state: `gpus` indexes (who holds each, which worker is on it), the tokens handed out."""
+
+    def __init__(self, cold: bool, duration_grace: float, queue_timeout: float, gpus: int = 1):
+        if gpus < 1:
+            raise ValueError(f"gpus={gpus}: at least 1")
         self.cold, self.duration_grace, self.queue_timeout = cold, duration_grace, queue_timeout
         self.cond = threading.Condition()
         self.started = False  # /startup-report seen: the app launched
-        self.holder: str | None = None  # token holding the GPU
-        self.tokens: dict[str, dict] = {}
-        self.task: int | None = None  # the task and worker on the GPU (busy or idle)
-        self.worker: int | None = None
+        self.slots = [Slot(index) for index in range(gpus)]
+        self.tokens: dict[str, dict] = {}  # token -> its task, slot, overtime timer, start time
         self.workers: set[int] = set()  # pids that called /allow: the only ones ever killed
         self.abort_after: float | None = None
-        self.counts = {"schedule": 0, "allow": 0, "release": 0, "failed": 0, "killed": 0, "queued": 0}
+        self.waiting = 0  # /schedule calls queued now
+        self.most_at_once = 0  # the most tokens that held a GPU at the same time
+        self.counts = {
+            "schedule": 0,  # /schedule calls
+            "grants": 0,  # GPUs handed out (at once or after queueing)
+            "allow": 0,  # workers that started (each new worker calls /allow once)
+            "release": 0,
+            "failed": 0,  # releases with fail=true
+            "killed": 0,  # workers killed
+            "queued": 0,  # /schedule calls that had to queue
+        }
 
     def kill(self, pid: int | None, why: str) -> None:
         if pid in self.workers and alive(pid):
@@ -81,39 +111,52 @@ class DeviceAPI:
             self.counts["killed"] += 1
             os.kill(pid, signal.SIGKILL)
 
-    def grant(self, task: int, duration: int) -> dict:
-        """Give the GPU to a new token (caller holds `cond` and saw `holder is None`)."""
-        idle = not self.cold and self.task == task and alive(self.worker)
+    def free_slot(self, task: int) -> Slot | None:
+        """The index to grant `task` (caller holds `cond`): a free one where this task's worker lives
+        (reused), else a free one with no live worker, else any free one; None when all are held."""
+        free = [slot for slot in self.slots if slot.holder is None]
+        reusable = [slot for slot in free if slot.task == task and alive(slot.worker)]
+        empty = [slot for slot in free if not alive(slot.worker)]
+        return next(iter(reusable + empty + free), None)
+
+    def grant(self, slot: Slot, task: int, duration: int) -> dict:
+        """Give `slot` (free: `free_slot`) to a new token (caller holds `cond`)."""
+        idle = not self.cold and slot.task == task and alive(slot.worker)
         if not idle:
-            self.kill(self.worker, f"GPU handed to task {task}")
-            self.task, self.worker = task, None
+            self.kill(slot.worker, f"GPU {slot.index} handed to task {task}")
+            slot.task, slot.worker = task, None
         token = uuid.uuid4().hex
-        self.holder = token
+        slot.holder = token
         limit, why = duration + self.duration_grace, "ran past its duration"
         if self.abort_after is not None:
             limit, why, self.abort_after = self.abort_after, "aborted by /abort-next", None
         timer = threading.Timer(limit, self.overtime, args=(token, why))
         timer.daemon = True
         timer.start()
-        self.tokens[token] = {"task": task, "timer": timer, "t0": time.time()}
-        log(f"task {task}: GPU granted for {duration} s, worker {'reused' if idle else 'new'}")
+        self.tokens[token] = {"task": task, "slot": slot, "timer": timer, "t0": time.time()}
+        self.counts["grants"] += 1
+        self.most_at_once = max(self.most_at_once, sum(s.holder is not None for s in self.slots))
+        where = f"GPU {slot.index}, " if len(self.slots) > 1 else ""
+        log(f"task {task}: GPU granted for {duration} s, {where}worker {'reused' if idle else 'new'}")
         return {
             "idle": idle,
-            "nvidiaIndex": 0,
+            "nvidiaIndex": slot.index,
+            # Every index is the same physical GPU (the harness has one card to offer, or none).
             "nvidiaUUID": os.environ.get("ZEROGPU_HARNESS_GPU", "0"),
             "allowToken": token,
         }
 
     def overtime(self, token: str, why: str) -> None:
         with self.cond:
-            if self.holder == token:
-                self.kill(self.worker, why)
+            entry = self.tokens.get(token)
+            if entry is not None and entry["slot"].holder == token:
+                self.kill(entry["slot"].worker, why)
 
     def allow(self, token: str, pid: int) -> int:
         with self.cond:
             if token not in self.tokens:
                 return 404
-            self.worker = pid
+            self.tokens[token]["slot"].worker = pid
             self.workers.add(pid)
             self.counts["allow"] += 1
         return 200
@@ -124,21 +167,51 @@ class DeviceAPI:
             if entry is None:
                 return 404
             entry["timer"].cancel()
+            slot = entry["slot"]
             self.counts["release"] += 1
             self.counts["failed"] += fail
-            log(f"task {entry['task']}: released after {time.time() - entry['t0']:.1f} s{' (failed)' if fail else ''}")
+            where = f" GPU {slot.index}" if len(self.slots) > 1 else ""
+            took = f"{time.time() - entry['t0']:.1f} s{' (failed)' if fail else ''}"
+            log(f"task {entry['task']}:{where} released after {took}")
             if fail or self.cold:
-                self.kill(self.worker, "failed call" if fail else "--cold")
-                self.task, self.worker = None, None
-            if self.holder == token:
-                self.holder = None
+                self.kill(slot.worker, "failed call" if fail else "--cold")
+                slot.task, slot.worker = None, None
+            if slot.holder == token:
+                slot.holder = None
                 self.cond.notify_all()
         return 200
 
-    def reclaim(self) -> None:
+    def reclaim(self, index: int | None = None) -> None:
+        """Kill the worker on GPU `index` (every GPU's: None), as ZeroGPU does when it wants one back."""
         with self.cond:
-            self.kill(self.worker, "/reclaim")
-            self.task, self.worker = None, None
+            for slot in self.slots if index is None else [self.slots[index]]:
+                self.kill(slot.worker, "/reclaim")
+                slot.task, slot.worker = None, None
+
+    def kill_workers(self) -> None:
+        """Kill every worker still alive (the app has exited: the service takes its GPUs back)."""
+        with self.cond:
+            for pid in sorted(self.workers):
+                self.kill(pid, "the app exited")
+
+    def status(self) -> dict:
+        """What `/status` answers: the counts, how many calls hold a GPU now and at most at once so
+        far, how many wait, and each GPU's task and worker (`worker`, `worker_alive`: GPU 0's)."""
+        with self.cond:
+            gpus = [
+                {"index": s.index, "busy": s.holder is not None, "task": s.task, "worker": s.worker}
+                | {"worker_alive": alive(s.worker)}
+                for s in self.slots
+            ]
+            return {
+                **self.counts,
+                "holding": sum(gpu["busy"] for gpu in gpus),
+                "most_at_once": self.most_at_once,
+                "waiting": self.waiting,
+                "worker": gpus[0]["worker"],
+                "worker_alive": gpus[0]["worker_alive"],
+                "gpus": gpus,
+            }
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -160,8 +233,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path, api = urlparse(self.path).path, self.api
         if path == "/status":
-            with api.cond:
-                return self.send(200, {**api.counts, "worker": api.worker, "worker_alive": alive(api.worker)})
+            return self.send(200, api.status())
         self.send(404)
 
     def do_POST(self) -> None:
@@ -179,50 +251,64 @@ class Handler(BaseHTTPRequestHandler):
             if path == "/schedule":
                 return self.schedule(int(params["taskId"]), int(params.get("durationSeconds", 60)))
             if path == "/reclaim":
-                api.reclaim()
+                api.reclaim(int(params["index"]) if "index" in params else None)
                 return self.send(200, {})
             if path == "/abort-next":
                 api.abort_after = float(params["after"])
                 return self.send(200, {})
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, IndexError) as exc:
             return self.send(422, {"detail": f"bad or missing parameter: {exc}"})
         self.send(404)
 
     def schedule(self, task: int, duration: int) -> None:
         api = self.api
-        api.counts["schedule"] += 1
+        with api.cond:
+            api.counts["schedule"] += 1
         if not api.started and duration > STARTUP_MAX_SECONDS:
             # wait < 0: spaces raises "ZeroGPU illegal duration" (spaces/zero/client.py)
             return self.send(429, {"left": STARTUP_MAX_SECONDS, "wait": -1}, {"X-Approve-Result": "illegal-duration"})
         with api.cond:
-            if api.holder is None:
-                return self.send(200, api.grant(task, duration))
-        # Busy: queue as server-sent events, one event per write (spaces reads one event per chunk).
-        api.counts["queued"] += 1
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        deadline = time.time() + api.queue_timeout
-        while True:
-            with api.cond:
-                api.cond.wait(timeout=5)
-                granted = api.grant(task, duration) if api.holder is None else None
-            if granted is not None:
-                time.sleep(0.5)  # never in the same chunk as a ping
-                self.wfile.write(f"event: succeeded\ndata: {json.dumps(granted)}\n\n".encode())
-                break
-            if time.time() > deadline:
-                self.wfile.write(b"event: failed\n\n")
-                break
-            self.wfile.write(b"event: ping\n\n")
+            slot = api.free_slot(task)
+            granted = api.grant(slot, task, duration) if slot is not None else None
+            if granted is None:
+                api.counts["queued"] += 1
+                api.waiting += 1
+        if granted is not None:
+            return self.send(200, granted)
+        # Every GPU is held: queue as server-sent events, one event per write (spaces reads one event per chunk).
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            deadline = time.time() + api.queue_timeout
+            while True:
+                with api.cond:
+                    api.cond.wait(timeout=5)
+                    slot = api.free_slot(task)
+                    granted = api.grant(slot, task, duration) if slot is not None else None
+                if granted is not None:
+                    time.sleep(0.5)  # never in the same chunk as a ping
+                    self.wfile.write(f"event: succeeded\ndata: {json.dumps(granted)}\n\n".encode())
+                    break
+                if time.time() > deadline:
+                    self.wfile.write(b"event: failed\n\n")
+                    break
+                self.wfile.write(b"event: ping\n\n")
+                self.wfile.flush()
             self.wfile.flush()
-        self.wfile.flush()
-        self.close_connection = True
+        except OSError:  # the caller left the queue (spaces closes it when the visitor disconnects)
+            log(f"task {task}: left the queue")
+            if granted is not None:  # granted but never told: give the GPU back
+                api.release(granted["allowToken"], fail=False)
+        finally:
+            self.close_connection = True
+            with api.cond:
+                api.waiting -= 1
 
 
-def serve(port: int, cold: bool = False, duration_grace: float = 10.0, queue_timeout: float = 60.0):
+def serve(port: int, cold: bool = False, duration_grace: float = 10.0, queue_timeout: float = 60.0, gpus: int = 1):
     """Start the device API on 127.0.0.1:`port` in a thread; returns the server (`.api` its state)."""
-    handler = type("BoundHandler", (Handler,), {"api": DeviceAPI(cold, duration_grace, queue_timeout)})
+    handler = type("BoundHandler", (Handler,), {"api": DeviceAPI(cold, duration_grace, queue_timeout, gpus)})
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     server.api = handler.api
@@ -302,10 +388,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", action="store_true", help="never reuse a worker: every call forks a new one")
     parser.add_argument("--cpu", action="store_true", help="no GPU here: the worker computes on the CPU")
     parser.add_argument("--duration-grace", type=float, default=10.0, help="seconds past its duration a call may run")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPU calls granted at once, each on its own nvidiaIndex (default 1); all are the same physical GPU",
+    )
     parser.add_argument("script", help="the Space's Python file, e.g. app.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
-    server = serve(args.port, args.cold, args.duration_grace)
+    if args.gpus < 1:
+        parser.error(f"--gpus {args.gpus}: at least 1")
+    server = serve(args.port, args.cold, args.duration_grace, gpus=args.gpus)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     folder = tempfile.mkdtemp(prefix="zerogpu-harness-")
     env = {**os.environ, **zerogpu_environ(url, folder)}
@@ -314,14 +408,28 @@ def main(argv: list[str] | None = None) -> int:
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")])
     else:
         command = [sys.executable, args.script, *args.args]
-    log(f"device API at {url}; running {' '.join([args.script, *args.args])} in ZeroGPU mode")
+    gpus = f", {args.gpus} GPU calls at once" if args.gpus > 1 else ""
+    log(f"device API at {url}{gpus}; running {' '.join([args.script, *args.args])} in ZeroGPU mode")
     app = subprocess.Popen(command, env=env)
+    # SIGTERM (a supervisor, `kill`, a test's teardown) ends the app too, not only this process.
+    signal.signal(signal.SIGTERM, lambda signum, frame: app.send_signal(signal.SIGTERM))
     try:
-        return app.wait()
-    except KeyboardInterrupt:
-        app.send_signal(signal.SIGINT)
-        return app.wait()
+        interrupts = 0
+        while True:
+            try:
+                code = app.wait()
+                break
+            except KeyboardInterrupt:  # Ctrl-C: the app hears it too, and this waits for it; twice: kill it
+                interrupts += 1
+                app.send_signal(signal.SIGINT if interrupts == 1 else signal.SIGKILL)
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says it
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if app.poll() is None:  # this process is failing for another reason: do not leave the app serving
+            app.kill()
+            app.wait()
+        server.api.kill_workers()  # a worker outlives an app killed by a signal; ZeroGPU would reclaim it
+        server.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -9,8 +9,11 @@ driver for spaces' worker start) is `zerogpu_harness.use_cpu_worker`: the worker
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -45,6 +48,20 @@ def request(url: str, seed=7, width=512, height=768, steps=2, lora="none") -> np
     client = Client(url, verbose=False)
     path, _, _ = client.predict("a red cat", seed, False, width, height, steps, 3.5, lora, api_name="/generate")
     return np.asarray(Image.open(path))
+
+
+def visitors(url: str, count: int = 3) -> list[np.ndarray]:
+    """`count` visitors' `request()`s sent at the same moment (a thread and a client each); their images."""
+    ready = threading.Barrier(count)
+
+    def visit(_) -> np.ndarray:
+        client = Client(url, verbose=False)
+        ready.wait(timeout=60)  # every client connected: the requests leave together
+        path, _, _ = client.predict("a red cat", 7, False, 512, 768, 2, 3.5, "none", api_name="/generate")
+        return np.asarray(Image.open(path))
+
+    with ThreadPoolExecutor(count) as pool:
+        return [future.result(timeout=180) for future in [pool.submit(visit, n) for n in range(count)]]
 
 
 def eager_image(pipe, lora: str | None = None) -> np.ndarray:
@@ -99,6 +116,20 @@ def test_a_request_aborted_past_its_duration_fails_and_the_next_one_works(space)
     assert space.device("/status")["failed"] >= 1
 
 
+def test_three_visitors_at_once_on_one_gpu_wait_in_zerogpus_queue_and_all_get_images(space):
+    alone = request(space.url)
+    before = space.device("/status")
+    images = visitors(space.url)
+    after = space.device("/status")
+    for image in images:  # none refused ("Queue is full" when gradio ran one and held one)
+        assert np.array_equal(image, alone)
+    # Gradio ran the three at once and the device API queued two of them behind the one GPU.
+    assert after["schedule"] - before["schedule"] == 3
+    assert after["queued"] - before["queued"] == 2, "the requests reached the GPU one at a time"
+    assert after["most_at_once"] == 1 and after["failed"] == before["failed"]
+    assert after["allow"] - before["allow"] == 0, "one GPU: the three took turns on its worker"
+
+
 @pytest.fixture(scope="module")
 def saved(compiled, tmp_path_factory):
     folder = tmp_path_factory.mktemp("zerogpu-saved") / "packages"
@@ -116,6 +147,62 @@ def test_saved_packages_load_in_the_worker_and_every_call_gets_a_new_one(saved, 
         assert app.device("/status")["allow"] == 3, "startup + two requests, each in a new worker (--cold)"
     finally:
         app.stop()
+
+
+@pytest.fixture(scope="module")
+def three_gpus(saved, tmp_path_factory):
+    """The Space under `--gpus 3`: the device API grants three GPU calls at once (saved packages:
+    no compile at startup). `test_sigterm_to_the_harness_ends_the_app_and_its_workers` ends it."""
+    log = tmp_path_factory.mktemp("zerogpu-3-gpus") / "app.log"
+    app = cpu_space({"AOT_LOAD": str(saved), "AOT_STRICT": "1"}, log, "--gpus", "3")
+    yield app.wait_until_serving()
+    app.stop()
+
+
+def test_three_gpus_serve_three_visitors_at_once_each_in_its_own_worker(three_gpus, eager_pipe):
+    started = three_gpus.device("/status")
+    images = visitors(three_gpus.url)
+    status = three_gpus.device("/status")
+    assert status["most_at_once"] > 1, "the three requests never held GPUs at the same time"
+    assert status["queued"] == started["queued"] == 0, "three GPUs for three calls: none waited"
+    assert status["allow"] - started["allow"] == 3, "a new worker on each GPU"
+    workers = {gpu["worker"] for gpu in status["gpus"] if gpu["worker_alive"]}
+    assert len(workers) == 3 and {gpu["index"] for gpu in status["gpus"]} == {0, 1, 2}
+    expected = eager_image(eager_pipe)
+    for image in images:  # each worker bound the saved packages to its own copy of the weights
+        assert np.abs(image.astype(float) - expected).max() <= 1, "worker output differs from eager"
+    again = visitors(three_gpus.url)  # each GPU's worker is free and alive: all three are reused
+    status = three_gpus.device("/status")
+    assert status["allow"] - started["allow"] == 3, "a worker was not reused"
+    assert all(np.array_equal(image, images[0]) for image in again)
+
+
+def test_sigterm_to_the_harness_ends_the_app_and_its_workers(three_gpus):
+    """SIGTERM to the harness alone (as a supervisor sends it) ends the app it started and the app's
+    GPU workers: nothing of the Space keeps running, nothing answers on its port."""
+    workers = [gpu["worker"] for gpu in three_gpus.device("/status")["gpus"] if gpu["worker_alive"]]
+    assert workers, "no worker alive to check"
+    group = three_gpus.process.pid  # the harness leads the process group (conftest.Server)
+    assert len(running(group)) > 1 + len(workers), "the harness, the app and its workers"
+    os.kill(group, signal.SIGTERM)
+    assert three_gpus.process.wait(timeout=60) == 128 + signal.SIGTERM  # the app's end, as a shell says it
+    assert running(group) == [], "a process of the Space outlived the harness"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", three_gpus.port), timeout=5).close()
+
+
+def running(group: int) -> list[int]:
+    """The live (not zombie) processes of process group `group`."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # ended meanwhile
+            continue
+        if int(pgrp) == group and state != "Z":
+            found.append(int(stat.split("/")[2]))
+    return found
 
 
 def test_eager_switch_serves_in_zerogpu_mode_with_a_lora_fused_in_the_main_process(tmp_path, eager_pipe):
