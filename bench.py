@@ -145,10 +145,10 @@ def random_flux_dev(device: str):
     from make_tiny_flux import SCHEDULER, clip_tokenizer, t5_tokenizer  # ids stay below the vocab sizes
 
     torch.manual_seed(0)
-    with torch.device(device):
-        text_encoder = CLIPTextModel(CLIPTextConfig(**CLIP)).to(torch.bfloat16)
-        text_encoder_2 = T5EncoderModel(T5Config(**T5)).to(torch.bfloat16)
-        vae = AutoencoderKL(**VAE).to(torch.bfloat16)
+    with torch.device(device):  # eval(): as from_pretrained leaves them (T5's dropout off)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**CLIP)).to(torch.bfloat16).eval()
+        text_encoder_2 = T5EncoderModel(T5Config(**T5)).to(torch.bfloat16).eval()
+        vae = AutoencoderKL(**VAE).to(torch.bfloat16).eval()
     return FluxPipeline(
         transformer=random_transformer(device),
         vae=vae,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fast_paths import Decision, fp8_config, load_fa3, quantize_block_
 from options import Resolution
@@ -257,6 +258,21 @@ def _path_name(path: tuple) -> str:
     return name.replace("['", ".").replace("']", "").lstrip(".")
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """`tensor`, or a tensor subclass's plain inner tensors, depth-first in `__tensor_flatten__`
+    order (torchao's FP8 weight: its float8 data, then its scales)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    return [leaf for attr in tensor.__tensor_flatten__()[0] for leaf in plain_tensors(getattr(tensor, attr))]
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers, each object once (tied weights count once), a
+    tensor subclass by its inner tensors (`plain_tensors`)."""
+    tensors = [t for p in [*module.parameters(), *module.buffers()] for t in plain_tensors(p)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def block_constants(block: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The block's parameters and persistent buffers under the names a package uses for its constants.
 
@@ -267,13 +283,6 @@ def block_constants(block: torch.nn.Module) -> dict[str, torch.Tensor]:
     `block` is untouched (torch's function registers a parametrization per weight: milliseconds a
     block, which a new ZeroGPU worker would pay for every block).
     """
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
-        if not is_traceable_wrapper_subclass(tensor):
-            return [tensor]
-        return [leaf for attr in tensor.__tensor_flatten__()[0] for leaf in plain(getattr(tensor, attr))]
-
     constants = {}
     for prefix, module in block.named_modules():
         persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
@@ -283,7 +292,7 @@ def block_constants(block: torch.nn.Module) -> dict[str, torch.Tensor]:
             path = f"{prefix}.{name}" if prefix else name
             if is_traceable_wrapper_subclass(tensor):
                 where = f"{prefix}.parametrizations.{name}" if prefix else f"parametrizations.{name}"
-                constants.update((f"{where}.original{i}", t) for i, t in enumerate(plain(tensor)))
+                constants.update((f"{where}.original{i}", t) for i, t in enumerate(plain_tensors(tensor)))
             else:
                 constants[path] = tensor
     return constants
@@ -667,6 +676,7 @@ class Compiled:
     fp8_granularity: str | None  # of the FP8 packages; None where every package is bf16
     fingerprint: dict[str, Any]  # what the packages are valid for (`packages.fingerprint`)
     source: str = "compiled"  # or "loaded from <folder or repo>"
+    text_fp8: Any = None  # the text encoders' FP8 trial in the same GPU call (`text_fp8.TextFP8`), not saved
 
 
 def rel_error(out: Any, ref: Any) -> float:

@@ -49,6 +49,7 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 import lora
+import text_fp8
 import zerogpu
 from blocks import (
     BlockPackage,
@@ -443,6 +444,9 @@ def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | No
         finally:
             _pipeline = None
     report = apply_(pipe, compiled)
+    if compiled.text_fp8 is not None:  # the trial ran in the GPU call; here its FP8 layers are quantized too
+        text_fp8.apply_(pipe, compiled.text_fp8)
+        report.decisions = [*report.decisions, compiled.text_fp8.decision]
     lora.forbid_peft_(pipe)  # an adapter added from now on would be ignored: raise instead
     if graphs.value == "on":
         graph_step_(pipe.transformer, strict=options.cuda_graphs == "on")
@@ -460,19 +464,26 @@ _pipeline: Any = None
 
 
 def _load_or_compile(options: Options) -> Compiled:
-    """(On the GPU.) Verified packages from `options.load`, else `compile_blocks(_pipeline)`.
+    """(On the GPU.) Verified packages from `options.load`, else `compile_blocks(_pipeline)`; with
+    the text encoders' FP8 trial (`text_fp8.trial_`, first: it holds an encoder's bf16 weights
+    beside their FP8 copy) in `Compiled.text_fp8`.
 
     Raises:
-        RuntimeError: `options.strict` and the saved packages cannot be used; see `compile_blocks`.
+        RuntimeError: `options.strict` and the saved packages cannot be used; see `compile_blocks`
+            and `text_fp8.trial_`.
     """
+    text = text_fp8.trial_(_pipeline, LONG_PROMPT, options.text_fp8)
+    log.info("%s", text)
+    compiled = None
     if options.load:
         compiled, reason = load_packages(options.load, _pipeline, options)
-        if compiled is not None:
-            return compiled
-        if options.strict:
+        if compiled is None and options.strict:
             raise RuntimeError(f"packages from {options.load} cannot be used: {reason}")
-        log.warning("packages from %s not used: %s; compiling", options.load, reason)
-    return compile_blocks(_pipeline, options)
+        if compiled is None:
+            log.warning("packages from %s not used: %s; compiling", options.load, reason)
+    compiled = compiled or compile_blocks(_pipeline, options)
+    compiled.text_fp8 = text
+    return compiled
 
 
 def load_pipeline(options: Options) -> Any:

@@ -84,6 +84,15 @@ class Options:
             " such as 12.0, to rehearse ZeroGPU's RTX Pro 6000 plan on another GPU",
         ),
     )
+    text_fp8: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_TEXT_FP8",
+            "FP8 weights in the text encoders' linear layers (torchao weight-only; any GPU), kept per encoder where"
+            " its outputs stay close: on, off, or auto (on ZeroGPU, where every new worker moves the weights)",
+            choices=("auto", "on", "off"),
+        ),
+    )
     cuda_graphs: str = field(
         default="auto",
         metadata=_option(

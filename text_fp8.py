@@ -39,7 +39,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from blocks import tensor_bytes
 from fast_paths import FP8_MAX_REL_ERROR, Decision, one_line
+from zerogpu import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
 # output, logits); above this `auto` restores it. The blocks' bound: the same FP8 format, measured
@@ -62,19 +64,6 @@ def text_encoders(pipe: Any) -> dict[str, torch.nn.Module]:
         for name, component in pipe.components.items()
         if name.startswith("text_encoder") and isinstance(component, PreTrainedModel)
     }
-
-
-def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of `module`'s parameters and buffers (each object once: tied weights count once); a
-    tensor subclass (torchao's `Float8Tensor`) counts its inner tensors (FP8 data and scales)."""
-    return sum(_nbytes(t) for t in [*module.parameters(), *module.buffers()])
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
-        return tensor.numel() * tensor.element_size()
-    names, _ = tensor.__tensor_flatten__()
-    return sum(_nbytes(getattr(tensor, name)) for name in names)
 
 
 def is_fp8(linear: torch.nn.Linear) -> bool:
@@ -259,8 +248,9 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
     used (the rules of `quantize_encoder_`), run it again and compare every floating output tensor
     (each hidden state, the pooled output, logits) with `blocks.rel_error`. `auto` keeps FP8 within
     `max_rel_error`; above it, or when anything raises, it puts the original Parameter objects
-    back and says why. `on` keeps FP8 at any finite error and raises where it cannot run (the
-    originals back first). `off` touches nothing.
+    back and says why; off ZeroGPU, where the weights move to the GPU once, it tries nothing. `on`
+    keeps FP8 at any finite error and raises where it cannot run (the originals back first). `off`
+    touches nothing.
 
     Each encoder runs twice, with its original weights beside the FP8 ones at the peak (+1/2 of a
     bf16 encoder's bytes, one encoder at a time); the originals of an encoder kept in FP8 are freed
@@ -276,6 +266,8 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
         raise ValueError(f"text_fp8={option!r}: allowed values are auto, on, off")
     if option == "off":
         return TextFP8(option, reason="requested")
+    if option == "auto" and not ON_ZEROGPU:
+        return TextFP8(option, reason="off ZeroGPU the weights move to the GPU once (--text-fp8 on: half the memory)")
     encoders = text_encoders(pipe)
     if not encoders:
         if option == "on":

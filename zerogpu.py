@@ -33,13 +33,13 @@ process.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
 import logging
 import os
 import pickle
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -111,7 +111,7 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        _asked.at = time.time()  # a worker forked for this call inherits it (fork copies this thread)
+        _asked.set(time.time())  # a worker forked for this call inherits it (fork copies this thread's context)
         try:
             return scheduled(*args, **kwargs)
         except WorkerError as carried:
@@ -124,7 +124,9 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
 
 # When the calling thread asked for a GPU (wall clock), and how many calls this process has run: a
 # worker's first call is a new worker's, whose wait includes spaces moving the weights to the GPU.
-_asked = threading.local()
+# A context variable: spaces runs the call in a thread of the worker under a copy of the context of
+# the thread that forked it, and concurrent requests in the main process each keep their own.
+_asked: contextvars.ContextVar[float] = contextvars.ContextVar("asked")
 _calls = 0
 
 
@@ -137,7 +139,7 @@ def _logged(name: str):
     from blocks import COSTS
 
     global _calls
-    new, waited = _calls == 0, time.time() - getattr(_asked, "at", time.time())
+    new, waited = _calls == 0, time.time() - _asked.get(time.time())
     before, start = dataclasses.replace(COSTS), time.perf_counter()
     try:
         yield
@@ -150,22 +152,14 @@ def _logged(name: str):
 
 
 def weight_bytes(pipe: Any) -> int:
-    """Bytes of the CUDA tensors (parameters and buffers, each once) of `pipe`'s components: on
-    ZeroGPU what spaces packs at launch and a new worker moves to the GPU before its first call. A
-    quantized weight counts its inner tensors (torchao's FP8: one byte a value plus its scales)."""
+    """Bytes of the weights of `pipe`'s components (`blocks.tensor_bytes`): on ZeroGPU what spaces
+    packs at launch and a new worker moves to the GPU before its first call. A quantized weight counts
+    its inner tensors (torchao's FP8: one byte a value plus its scales)."""
     import torch
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
-        if not is_traceable_wrapper_subclass(tensor):
-            return [tensor]
-        return [leaf for attr in tensor.__tensor_flatten__()[0] for leaf in plain(getattr(tensor, attr))]
+    from blocks import tensor_bytes
 
-    seen: dict[int, torch.Tensor] = {}
-    for module in [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]:
-        for tensor in [*module.parameters(), *module.buffers()]:
-            seen.update((id(t), t) for t in plain(tensor) if t.device.type == "cuda")
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    return sum(tensor_bytes(c) for c in pipe.components.values() if isinstance(c, torch.nn.Module))
 
 
 def check_size(pipe: Any, size: str) -> str:
@@ -179,7 +173,7 @@ def size_advice(moved: int, size: str) -> tuple[str, bool]:
     """One line on `moved` bytes of weights under `AOT_GPU_SIZE=size`, and whether it is a warning:
     `auto` becomes `xlarge` (twice the quota) past `LARGE_MAX_BYTES`, an explicit `large` may not
     hold them, and `xlarge` below it takes the whole card for nothing."""
-    amount = f"{moved / 1e9:.1f} GB" if moved >= 1e8 else f"{moved / 1e6:.1f} MB"
+    amount = f"{moved / 1e9:.1f} GB" if moved >= 1e8 else f"{moved / 1e6:.3f} MB"
     line, limit = f"a new ZeroGPU worker moves {amount} of weights to the GPU", f"{LARGE_MAX_BYTES / 2**30:.0f} GiB"
     if moved <= LARGE_MAX_BYTES:
         if size == "xlarge":

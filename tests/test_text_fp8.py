@@ -9,14 +9,30 @@ from conftest import ROOT, generate, load_tiny
 from diffusers import DiffusionPipeline
 
 import text_fp8
-from blocks import rel_error
-from text_fp8 import TextFP8, apply_, is_fp8, quantize_encoder_, tensor_bytes, text_encoders, trial_
+from blocks import rel_error, tensor_bytes
+from text_fp8 import TextFP8, apply_, is_fp8, quantize_encoder_, text_encoders, trial_
 
 PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # tiny-flux's image (256x256, 2 steps, values in [0, 1]) with both encoders in FP8 vs eager: measured
 # 1.6e-3 to 1.7e-3 relative over seeds 0-2 (T5 alone in FP8: 5e-4). Changing one word of the prompt
 # ("mat" -> "rug") moves it by 7.4e-3: 5e-3 leaves 3x room and still fails a prompt the encoders misread.
 IMAGE_TOLERANCE = 5e-3
+
+
+@pytest.fixture(autouse=True)
+def on_zerogpu(monkeypatch):
+    """`auto` tries FP8 on ZeroGPU only (where every new worker moves the weights); these tests
+    check the trial itself, so they run it as on ZeroGPU. The ZeroGPU tests run the real thing."""
+    monkeypatch.setattr(text_fp8, "ON_ZEROGPU", True)
+
+
+def test_auto_tries_nothing_off_zerogpu(monkeypatch):
+    monkeypatch.setattr(text_fp8, "ON_ZEROGPU", False)
+    pipe = load_tiny()
+    before = parameters(pipe)
+    result = trial_(pipe, PROMPT, "auto")
+    assert result.decision.value == "off" and "off ZeroGPU" in result.decision.reason, result
+    assert all(param is before[key] for key, param in parameters(pipe).items())
 
 
 def load(name: str, **kwargs):

@@ -7,7 +7,9 @@ driver for spaces' worker start) is `zerogpu_harness.use_cpu_worker`: the worker
 """
 
 import glob
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,11 +27,19 @@ from PIL import Image
 
 from blocks import OWNER_MARK, load_runner, remove_stale_extractions
 from packages import save_packages
+from zerogpu import weight_bytes
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
 # so the worker's images can be compared with an eager float32 pipeline here.
 LORAS = ROOT / "assets" / "tiny-flux-loras"
-ZEROGPU_ENV = {"MODEL_ID": TINY, "AOT_DTYPE": "float32", "AOT_LORA_CHOICES": str(LORAS / "a.safetensors")}
+# Text encoders stay as they are, so images equal the eager pipeline's: their FP8 (on by default on
+# ZeroGPU) has its own test below.
+ZEROGPU_ENV = {
+    "MODEL_ID": TINY,
+    "AOT_DTYPE": "float32",
+    "AOT_LORA_CHOICES": str(LORAS / "a.safetensors"),
+    "AOT_TEXT_FP8": "off",
+}
 CALL = dict(height=768, width=512, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=512)
 
 
@@ -203,6 +213,30 @@ def running(group: int) -> list[int]:
         if int(pgrp) == group and state != "Z":
             found.append(int(stat.split("/")[2]))
     return found
+
+
+def test_a_new_worker_moves_fp8_text_encoders_and_loads_one_package_per_block_class(saved, tmp_path, eager_pipe):
+    # The default on ZeroGPU: the text encoders' FP8 trial runs in the startup call, the main process
+    # quantizes the layers it kept before spaces packs the weights; a new worker moves fewer bytes.
+    env = {"AOT_LOAD": str(saved), "AOT_STRICT": "1", "AOT_TEXT_FP8": "auto", "AOT_LORA_CHOICES": ""}
+    app = cpu_space(env, tmp_path / "app.log")
+    try:
+        app.wait_until_serving()
+        log = app.text()
+        decision = re.search(r"text_fp8: on \(auto: (.+)\)", log)
+        assert decision and "text_encoder_2 (T5EncoderModel): FP8 in" in decision.group(1), log[-3000:]
+        moved = float(re.search(r"a new ZeroGPU worker moves ([\d.]+) MB of weights to the GPU: fits large", log)[1])
+        everything = weight_bytes(eager_pipe) / 1e6  # float32, on the CPU here
+        saved = sum(float(a) - float(b) for a, b in re.findall(r"([\d.e-]+) -> ([\d.e-]+) GB", decision[1])) * 1e3
+        assert saved > 0.01 and moved == pytest.approx(everything - saved, abs=2e-3), (moved, everything, saved)
+        image = request(app.url).astype(float)
+        assert np.abs(image - eager_image(eager_pipe)).mean() < 2, "FP8 text encoders changed the image"
+        lines = [line.split("zerogpu-call ", 1)[1] for line in app.text().splitlines() if "zerogpu-call" in line]
+        first = next(c for c in map(json.loads, lines) if c["fn"] == "infer")
+        assert first["new_worker"] and first["wait_s"] > 0, first
+        assert (first["loads"], first["binds"]) == (2, 2 * 4), "one load per block class; 2 steps x 4 blocks bound"
+    finally:
+        app.stop()
 
 
 def test_eager_switch_serves_in_zerogpu_mode_with_a_lora_fused_in_the_main_process(tmp_path, eager_pipe):
