@@ -136,7 +136,7 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     pipe.unload_lora_weights()
     effect = rel_error(expected, base)
     report = optimize_(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
-    assert "attention: fa3, fp8: row, cuda_graphs: on" in report.summary(), report
+    assert "attention: fa3, fp8: row, text_fp8: off, cuda_graphs: on" in report.summary(), report
     adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
     before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
@@ -167,7 +167,7 @@ def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_p
         app.wait_until_serving()
         log = app.text()
         assert "GPU granted for 1500 s, worker new" in log
-        assert "attention: fa3, fp8: row, cuda_graphs: on" in log, log[-3000:]
+        assert "attention: fa3, fp8: row, text_fp8: on, cuda_graphs: on" in log, log[-3000:]
 
         def request(seed=5, steps=4):
             path, _, _ = Client(app.url, verbose=False).predict(
