@@ -38,10 +38,10 @@ MAX_GUIDANCE = 10.0
 # ZeroGPU gives each request `duration` seconds of GPU and refuses a request that asks for more than
 # its cap (C28). The main process cannot know whether the request will find a worker alive, so every
 # request asks for a new worker's setup too. Measured on one full H200 through zerogpu_harness.py
-# (bench.py's zerogpu row, BENCHMARKS.md, 2026-12-01, FLUX.1-dev shapes): a new worker spends 15.7 s
-# before its image (22 GB of weights from disk to the GPU, 57 blocks bound, the step's CUDA graph
-# captured); a step at 1024x1024 (4096 image tokens) takes 0.096 s with FA3 + FP8, 0.175 s eager;
-# text encoders + VAE 0.2 s. ZeroGPU's card (half an RTX Pro 6000 Blackwell, no FA3) could not be
+# (bench.py's zerogpu rows, BENCHMARKS.md, 2026-12-01, FLUX.1-dev shapes): a new worker's first
+# request takes 16.0 s compiled, 24.2 s eager (moving 17.5 / 34.0 GB of weights: 10.8 / 18.0 s); a
+# step at 1024x1024 (4096 image tokens) takes 0.096 s with FA3 + FP8, 0.175 s eager; text encoders +
+# VAE 0.2 s. ZeroGPU's card (half an RTX Pro 6000 Blackwell, no FA3) could not be
 # measured here: x3 for it and for slack. spaces multiplies what is asked by its card's duration
 # factor (1.5 on that card), which makes more room, not less.
 NEW_WORKER_SECONDS = 3 * 16.0
