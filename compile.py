@@ -17,9 +17,10 @@ and FP8 decisions are made on the real card there, and only the small packages c
 call, inside the request's worker. zerogpu.py has the whole map of what runs where. Outside ZeroGPU
 `@spaces.GPU` changes nothing and everything runs in this process.
 
-Every `auto` fast path is tried, not assumed: an FA3 or FP8 block that fails to export, compile,
-load or match eager falls back (FP8 per block class to bf16, FA3 to SDPA for every class) with the
-reason in the report; only the plain bf16 SDPA block has no fallback.
+Every `auto` fast path is tried, not assumed, in the order the GPU's plan gives (`fast_paths.PLANS`,
+keyed by compute capability): an FA3 or FP8 block that fails to export, compile, load or match eager
+falls back to the plan's next step (FP8 row -> per tensor -> bf16, FA3 -> SDPA) with the reason in
+the report; only the plain bf16 SDPA block has no fallback.
 
 We use torch's AOTI API (`torch.export.export`, `torch._inductor.aoti_compile_and_package`, the
 package loader behind `aoti_load_package` (see `blocks.load_runner`), `load_constants`) rather than
@@ -72,9 +73,9 @@ from fast_paths import (
     FP8_MIN_FEATURES,
     Decision,
     attention_steps,
+    brief,
     fp8_config,
     fp8_steps,
-    one_line,
     quantize_block_,
     refuse_impossible_requests,
     resolve_cuda_graphs,
@@ -282,7 +283,7 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         except Exception as exc:
             if kernel == kernels[-1]:
                 raise
-            walked.append(f"{kernel} failed its trial ({_brief(exc)})")
+            walked.append(f"{kernel} failed its trial ({brief(exc)})")
             log.warning("attention: %s", walked[-1])
     origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
     attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
@@ -349,7 +350,7 @@ def _compile_classes(
         except Exception as exc:
             if options.fp8 != "auto" and granularity == granularities[-1]:
                 raise
-            walk.append(f"{granularity} failed its trial ({name}: {_brief(exc)})")
+            walk.append(f"{granularity} failed its trial ({name}: {brief(exc)})")
             log.warning("fp8: %s", walk[-1])
             continue
         finally:
@@ -359,10 +360,6 @@ def _compile_classes(
             return {name: fp8.get(name) or bf16(name) for name in classes}, granularity, walk
     return {name: bf16(name) for name in classes}, None, walk + ["bf16"] * bool(granularities)
 
-
-def _brief(exc: Exception) -> str:
-    """`Type: message` on one line, at most 300 characters."""
-    return one_line(f"{type(exc).__name__}: {exc}", 300)
 
 
 def _compile_class(

@@ -1,5 +1,6 @@
 """The fast paths: FlashAttention-3 and FP8 inside the compiled blocks, CUDA graphs around the step,
-each resolved to a `Decision`.
+each resolved to a `Decision`, in the order the GPU's `Plan` gives (`PLANS`, keyed by compute
+capability; `compile.compile_blocks` runs each step as a trial and walks to the next on failure).
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
 that cannot run raises with what is missing. Off Hopper (an RTX Pro 6000 Blackwell on ZeroGPU, an
@@ -143,6 +144,11 @@ def one_line(text: str, limit: int) -> str:
     errors run to pages; names from a file may hold newlines)."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def brief(exc: BaseException) -> str:
+    """`Type: message` on one line, at most 300 characters: a trial's failure in a decision's reason."""
+    return one_line(f"{type(exc).__name__}: {exc}", 300)
 
 
 def _cuda_problem(device: torch.device, min_capability: tuple[int, int], what: str) -> str | None:

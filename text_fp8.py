@@ -40,7 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from blocks import tensor_bytes
-from fast_paths import FP8_MAX_REL_ERROR, Decision, one_line
+from fast_paths import FP8_MAX_REL_ERROR, Decision, brief
 from zerogpu import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
@@ -323,7 +323,7 @@ def _trial_one_(
         _quantize_(tried, originals, kept)
         error = rel_error(_outputs(encoder, ids), reference)
     except Exception as exc:
-        return restore_or_raise(_brief(exc), cause=exc)
+        return restore_or_raise(brief(exc), cause=exc)
     finally:
         encoder.train(training)
     if error == float("inf"):
@@ -352,10 +352,6 @@ def _outputs(encoder: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
         out = encoder(**kwargs)
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-
-def _brief(exc: Exception) -> str:
-    """`Type: message` on one line, at most 300 characters."""
-    return one_line(f"{type(exc).__name__}: {exc}", 300)
 
 
 def apply_(pipe: Any, trial: TextFP8 | Mapping[str, Sequence[str]]) -> dict[str, int]:
