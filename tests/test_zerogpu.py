@@ -27,7 +27,7 @@ from PIL import Image
 
 from blocks import OWNER_MARK, load_runner, remove_stale_extractions
 from packages import save_packages
-from zerogpu import weight_bytes
+from zerogpu import LARGE_MAX_BYTES, size_advice, weight_bytes
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
 # so the worker's images can be compared with an eager float32 pipeline here.
@@ -284,3 +284,20 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert not any(os.path.exists(p) for p in left)
     assert glob.glob(f"/tmp/*/{OWNER_MARK}{os.getpid()}"), "a living process's package was removed"
     del mine
+
+
+@pytest.mark.parametrize(
+    ("moved", "size", "warns", "says"),
+    [
+        (17_471_120_942, "auto", False, "moves 17.5 GB of weights to the GPU: fits large"),
+        (17_471_120_942, "xlarge", True, "large would hold them; AOT_GPU_SIZE=xlarge takes the whole card"),
+        (LARGE_MAX_BYTES + 1, "auto", True, "over 42 GiB: spaces runs every GPU call on xlarge"),
+        (LARGE_MAX_BYTES + 1, "large", True, "AOT_GPU_SIZE=large (48 GB) may not hold them"),
+        (LARGE_MAX_BYTES + 1, "xlarge", False, "over 42 GiB: xlarge"),
+        (708_764, "auto", False, "moves 0.709 MB of weights"),
+    ],
+)
+def test_startup_says_which_zerogpu_size_the_weights_fit(moved, size, warns, says):
+    # spaces 0.51.3 makes xlarge its default size past LARGE_MAX_BYTES packed (zero/configs.json).
+    line, warning = size_advice(moved, size)
+    assert says in line and warning == warns, line
