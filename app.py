@@ -12,8 +12,10 @@ variable; see README.md).
 import argparse
 import logging
 import math
+import os
 import random
 import time
+import warnings
 from typing import Any
 
 import gradio as gr
@@ -35,6 +37,13 @@ OPTIONS = Options.from_env(PARSER.parse_args() if __name__ == "__main__" else No
 MAX_SEED = 2**31 - 1
 MAX_STEPS = 50
 MAX_GUIDANCE = 10.0
+# Untrusted sizes, bounded before any work. A prompt: every family's text encoders read at most 512
+# tokens (about 2,500 characters of English), so 10,000 characters loses nothing; a 10-million-
+# character prompt took 95 s to tokenize. An input image is resized to the output (at most 1536 px
+# a side), so a 50 MB, 64-megapixel upload is more than any camera sends.
+MAX_PROMPT_CHARS = 10_000
+MAX_IMAGE_BYTES = 50_000_000
+MAX_IMAGE_PIXELS = 64_000_000
 # ZeroGPU gives each request `duration` seconds of GPU and refuses a request that asks for more than
 # its cap (C28). The main process cannot know whether the request will find a worker alive, so every
 # request asks for a new worker's setup too. Measured on one full H200 through zerogpu_harness.py
@@ -56,6 +65,11 @@ EXAMPLES = [
     "a photo of a red fox in fresh snow, morning light",
     "an isometric pixel-art lighthouse on a cliff at dusk",
     "a bowl of ramen on a wooden table, steam rising, studio photo",
+]
+EDIT_EXAMPLES = [
+    "turn it into a watercolor painting",
+    "make it night, with the windows lit",
+    "add a red umbrella in the foreground",
 ]
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -94,27 +108,69 @@ def refuse(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
-def named(component: gr.components.Component) -> gr.components.Component:
-    """`component`, whose input errors name it: gradio's own say only "Value 4096 is greater than
-    maximum value 1536.", and print a traceback in the server log for each refused request.
+def named(component: gr.components.Component, allowed: str) -> gr.components.Component:
+    """`component`, whose refused inputs say its name and what is `allowed` in one line: gradio's own
+    say only "Value 4096 is greater than maximum value 1536.", wrap anything else (a string or NaN
+    for a slider, a file that is not an image) in a message that shows server paths, and print a
+    traceback in the server log for each refused request. An input image is bounded in bytes and
+    pixels before it is decoded.
 
     (An instance attribute: a subclass of a gradio component makes gradio write a `.pyi` beside us.)
     """
     check = component.preprocess
 
     def preprocess(payload: Any) -> Any:
+        what = f"{component.label}: {_shown(payload, component)}"
+        problem = _image_problem(payload) if isinstance(component, gr.Image) else None
+        if problem:
+            raise refuse(f"{what} {problem}; use {allowed}.")
         try:
-            return check(payload)
+            value = check(payload)
         except gr.Error as exc:
-            raise refuse(f"{component.label}: {exc.message}") from None
+            raise refuse(f"{component.label}: {exc.message} Use {allowed}.") from None
+        except Exception as exc:  # what gradio's conversion or PIL raised for a value it cannot take
+            raise refuse(f"{what} cannot be used ({type(exc).__name__}); use {allowed}.") from None
+        if isinstance(component, gr.Slider) and not _finite_number(value):
+            raise refuse(f"{what} cannot be used; use {allowed}.")
+        return value
 
     component.preprocess = preprocess
     return component
 
 
+def _shown(payload: Any, component: gr.components.Component) -> str:
+    """How a refused value is quoted: an upload by its kind, never its path on this server."""
+    if isinstance(component, gr.Image):
+        return "the uploaded file"
+    text = repr(payload)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _image_problem(payload: Any) -> str | None:
+    """What makes an upload too large (over `MAX_IMAGE_BYTES` or `MAX_IMAGE_PIXELS`), read before it is
+    decoded (PIL reads the size from the header: a decompression bomb is refused, not decoded)."""
+    path = payload.path if hasattr(payload, "path") else payload.get("path") if isinstance(payload, dict) else None
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None  # nothing uploaded, or what gradio's own preprocess refuses
+    if os.path.getsize(path) > MAX_IMAGE_BYTES:
+        return f"has {os.path.getsize(path) / 1e6:.0f} MB"
+    try:
+        with warnings.catch_warnings(), Image.open(path) as image:
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the bound below says it
+            pixels = image.width * image.height
+    except Exception:
+        return None  # not an image at all: gradio's preprocess fails on it, and says so below
+    return f"has {pixels / 1e6:.0f} megapixels" if pixels > MAX_IMAGE_PIXELS else None
+
+
 def check_request(
     prompt: str,
     seed: int,
+    randomize_seed: bool,
     width: int,
     height: int,
     steps: int,
@@ -124,19 +180,34 @@ def check_request(
 ) -> None:
     """Raise `gr.Error` saying what is allowed, before any GPU work.
 
-    Gradio's sliders already refuse values outside their range (`named`); this also covers sizes
-    that are not multiples of 16, fractional values, prompts with nothing to read, a missing input
-    image for an edit model (or one for a text-to-image model), and direct calls of `generate`.
+    Gradio's sliders already refuse values that are not numbers or outside their range (`named`);
+    this also covers prompts that are not text, too long or have nothing to read, sizes that are not
+    multiples of 16, fractional values, a missing input image for an edit model (or one for a
+    text-to-image model), and direct calls of `generate`.
     """
-    if not any(ch.isprintable() and not ch.isspace() for ch in prompt or ""):
+    if not isinstance(prompt, str):
+        raise refuse(f"prompt={_shown(prompt, None)}: send text.")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise refuse(f"The prompt has {len(prompt):,} characters; use at most {MAX_PROMPT_CHARS:,}.")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end]
+        raise refuse(f"The prompt holds {bad!r}, which is not text (a lone surrogate); send valid Unicode.") from None
+    if not any(ch.isprintable() and not ch.isspace() for ch in prompt):
         raise refuse("Enter a prompt (it has no visible character).")
     if EDITS and image is None:
         raise refuse(f"Upload an input image: {FAMILY.label} edits an image (it is resized to the output size).")
     if FAMILY.image_input == "none" and image is not None:
         raise refuse(f"{FAMILY.label} generates from text only: leave the input image empty.")
+    for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed), ("guidance", guidance)):
+        if not _finite_number(value):
+            raise refuse(f"{name}={_shown(value, None)}: use a number.")
     for name, value in (("width", width), ("height", height), ("steps", steps), ("seed", seed)):
         if value != int(value):
             raise refuse(f"{name}={value}: use a whole number.")
+    if not isinstance(randomize_seed, bool):
+        raise refuse(f"randomize_seed={_shown(randomize_seed, None)}: use true or false.")
     try:
         RESOLUTION.check(int(height), int(width))
     except ValueError as exc:
@@ -218,11 +289,19 @@ def generate(
     step without a word) and what the request did not get as asked (a prompt cut to the text length
     the blocks are compiled for), so that API clients learn it too, not only the UI's toast.
     """
-    check_request(prompt, seed, width, height, num_inference_steps, guidance_scale, lora, image)
+    check_request(prompt, seed, randomize_seed, width, height, num_inference_steps, guidance_scale, lora, image)
     seed = random.randint(0, MAX_SEED) if randomize_seed else int(seed)
-    notes = f"{int(width)}x{int(height)} px, {int(num_inference_steps)} steps, seed {seed}."
+    steps = int(num_inference_steps)
+    notes = f"{int(width)}x{int(height)} px, {steps} step{'s' * (steps != 1)}, seed {seed}."
     if lora != "none":
         notes += f" LoRA: {lora}."
+    if not GUIDED and guidance_scale != DEFAULT_GUIDANCE:
+        notes += f" Guidance {guidance_scale:g} was not used: this {FAMILY.label} model takes none."
+    if image is not None:
+        notes += f" The input image ({image.width}x{image.height}) was resized to {int(width)}x{int(height)}"
+        if FAMILY.reference_size:
+            notes += ", then by the pipeline to {1}x{0}".format(*FAMILY.reference_size(int(height), int(width)))
+        notes += "."
     if FAMILY.truncates and prompt_tokens(prompt) > TEXT_TOKENS:
         cut = f"The prompt is longer than {TEXT_TOKENS} text tokens; the rest was ignored."
         gr.Warning(cut)
@@ -251,29 +330,37 @@ with gr.Blocks(title=f"{FAMILY.label}, compiled ahead of time") as demo:
         prompt = gr.Textbox(label="Prompt", placeholder=placeholder, scale=4, max_lines=4)
         run = gr.Button("Generate", variant="primary", scale=1)
     with gr.Row():
-        input_image = gr.Image(
-            label="Input image" if EDITS else "Reference image (optional)",
-            type="pil",
-            visible=FAMILY.image_input != "none",
+        input_image = named(
+            gr.Image(
+                label="Input image" if EDITS else "Reference image (optional)",
+                type="pil",
+                visible=FAMILY.image_input != "none",
+            ),
+            f"an image file (PNG, JPEG, WebP) of at most {MAX_IMAGE_BYTES // 10**6} MB and "
+            f"{MAX_IMAGE_PIXELS // 10**6} megapixels",
         )
         result = gr.Image(label="Result", format="png")
-    notes = gr.Markdown()
+    notes = gr.Markdown(label="notes")
     # The seed used goes to the API and into `notes`, not back into the Seed slider: outputs of a
     # refused request show an error badge, which on the slider read as "this seed is wrong".
-    seed_used = gr.Number(visible=False, precision=0)
+    seed_used = gr.Number(visible=False, precision=0, label="seed")
     with gr.Accordion("Advanced", open=False):
-        seed = named(gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed"))
+        seed = named(gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed"), f"a whole number from 0 to {MAX_SEED}")
         randomize_seed = gr.Checkbox(value=True, label="Randomize seed")
         with gr.Row():
             lo, hi, step = RESOLUTION.min_side, RESOLUTION.max_side, RESOLUTION.step
-            width = named(gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Width"))
-            height = named(gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Height"))
-        steps = named(gr.Slider(1, MAX_STEPS, value=DEFAULT_STEPS, step=1, label="Steps"))
+            sides = f"a multiple of {step} from {lo} to {hi} px"
+            width = named(gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Width"), sides)
+            height = named(gr.Slider(lo, hi, value=min(max(1024, lo), hi), step=step, label="Height"), sides)
+        steps = named(gr.Slider(1, MAX_STEPS, value=DEFAULT_STEPS, step=1, label="Steps"), f"1 to {MAX_STEPS}")
         guidance = named(
-            gr.Slider(0.0, MAX_GUIDANCE, value=DEFAULT_GUIDANCE, step=0.1, label="Guidance", visible=GUIDED)
+            gr.Slider(0.0, MAX_GUIDANCE, value=DEFAULT_GUIDANCE, step=0.1, label="Guidance", visible=GUIDED),
+            f"a number from 0 to {MAX_GUIDANCE:g}",
         )
-        lora = named(gr.Dropdown(LORAS, value="none", label="LoRA", visible=len(LORAS) > 1))
-    gr.Examples(EXAMPLES, inputs=[prompt])
+        lora = named(
+            gr.Dropdown(LORAS, value="none", label="LoRA", visible=len(LORAS) > 1), "one of " + ", ".join(LORAS)
+        )
+    gr.Examples(EDIT_EXAMPLES if EDITS else EXAMPLES, inputs=[prompt])
     gr.on(
         triggers=[run.click, prompt.submit],
         fn=generate,

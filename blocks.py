@@ -742,7 +742,8 @@ class Report:
         """One line for a UI: what is compiled and which fast paths are on."""
         blocks = sum(count for _, count in self.rows)
         decisions = ", ".join(f"{d.name}: {d.value}" for d in self.decisions)
-        return f"AoT {self.source}: {len(self.rows)} block classes, {blocks} blocks; {decisions}"
+        classes = f"{len(self.rows)} block class{'es' * (len(self.rows) != 1)}"
+        return f"AoT {self.source}: {classes}, {blocks} block{'s' * (blocks != 1)}; {decisions}"
 
     def __str__(self) -> str:
         lines = [

@@ -2,15 +2,18 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from conftest import ROOT, TINY, Server
-from gradio_client import Client
+from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
@@ -86,6 +89,85 @@ def test_invalid_request_is_refused_and_the_next_one_works(client, change, messa
         generate(client, **change)
     image, _, _ = generate(client)
     assert image.shape == (768, 512, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"steps": "four"}, r"Steps: 'four' cannot be used \(TypeError\); use 1 to 50"),
+        ({"guidance": None}, r"Guidance: None cannot be used \(TypeError\); use a number from 0 to 10"),
+        ({"randomize": "yes"}, r"randomize_seed='yes': use true or false"),
+    ],
+)
+def test_raw_api_values_are_refused_naming_the_parameter_and_what_is_allowed(client, server_log, change, message):
+    before = server_log.read_text()
+    with pytest.raises(AppError, match=message):
+        generate(client, **change)
+    added = server_log.read_text()[len(before) :]
+    assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
+    assert generate(client)[0].shape == (768, 512, 3)
+
+
+def raw_generate(server: str, values: list) -> tuple[str, str]:
+    """/generate over gradio's plain HTTP API (what curl sends): the result's event and data."""
+    body = json.dumps({"data": values}).encode()  # NaN goes out as the literal NaN, as from JavaScript
+    start = urllib.request.Request(f"{server}gradio_api/call/generate", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(start, timeout=30) as answer:
+        event = json.loads(answer.read())["event_id"]
+    with urllib.request.urlopen(f"{server}gradio_api/call/generate/{event}", timeout=300) as answer:
+        lines = answer.read().decode().splitlines()
+    kind = next(line.split(": ", 1)[1] for line in lines if line.startswith("event: "))
+    return kind, next(line.split(": ", 1)[1] for line in lines if line.startswith("data: "))
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (1, "Seed: nan cannot be used; use a whole number from 0 to 2147483647"),
+        (3, "Width: nan cannot be used; use a multiple of 16 from 512 to 1536 px"),
+        (5, "Steps: nan cannot be used; use 1 to 50"),
+        (0, "The prompt holds '\\\\ud800', which is not text (a lone surrogate); send valid Unicode."),
+    ],
+)
+def test_nan_and_broken_text_over_plain_http_are_refused_naming_the_input(server, server_log, index, message):
+    values = ["a red cat", 7, False, 512, 768, 2, 3.5, "none", None]
+    values[index] = "a red \ud800 cat" if index == 0 else float("nan")
+    before = server_log.read_text()
+    kind, data = raw_generate(server, values)
+    assert kind == "error" and message in data, data
+    added = server_log.read_text()[len(before) :]
+    assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
+    assert raw_generate(server, ["a red cat", 7, False, 512, 768, 2, 3.5, "none", None])[0] == "complete"
+
+
+def test_a_ten_million_character_prompt_is_refused_at_once(client, server_log):
+    before, start = server_log.stat().st_size, time.monotonic()
+    with pytest.raises(AppError, match=r"The prompt has 10,000,000 characters; use at most 10,000"):
+        generate(client, prompt="a" * 10_000_000)
+    assert time.monotonic() - start < 10
+    assert server_log.stat().st_size - before < 1_000_000, "the prompt went into the log"
+    assert generate(client)[0].shape == (768, 512, 3)
+
+
+def test_an_upload_that_is_not_an_image_or_too_large_is_refused_without_a_server_path(client, server_log, tmp_path):
+    not_image = tmp_path / "notes.png"
+    not_image.write_text("this is text, not a PNG")
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (10_000, 10_000)).save(bomb)  # 100 megapixels in a few kB
+    truncated = tmp_path / "truncated.png"
+    Image.new("RGB", (64, 64), "red").save(truncated)
+    truncated.write_bytes(truncated.read_bytes()[:60])
+    allowed = "use an image file \\(PNG, JPEG, WebP\\) of at most 50 MB and 64 megapixels"
+    for path, why in [(not_image, "cannot be used"), (bomb, "has 100 megapixels"), (truncated, "cannot be used")]:
+        before = server_log.read_text()
+        with pytest.raises(AppError) as refused:
+            generate(client, lora="none", image=handle_file(str(path)))
+        text = str(refused.value)
+        assert re.search(f"Reference image \\(optional\\): the uploaded file {why}.*; {allowed}", text), text
+        assert "/tmp" not in text and str(tmp_path) not in text, "a server path in the message"
+        added = server_log.read_text()[len(before) :]
+        assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
+    assert generate(client)[0].shape == (768, 512, 3)
 
 
 def test_refused_requests_log_one_line_each_and_no_traceback(client, server_log):
