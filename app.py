@@ -33,7 +33,6 @@ STARTED = time.perf_counter()
 PARSER = argparse.ArgumentParser(
     description=__doc__, parents=[Options.parser()], formatter_class=argparse.RawDescriptionHelpFormatter
 )
-OPTIONS = Options.from_env(PARSER.parse_args() if __name__ == "__main__" else None)
 MAX_SEED = 2**31 - 1
 MAX_STEPS = 50
 MAX_GUIDANCE = 10.0
@@ -78,7 +77,13 @@ log = logging.getLogger("app")
 # --- startup: load, compile, apply --------------------------------------------------------------
 # One replica per GPU (AOT_DEVICES; one on ZeroGPU): each loads the weights, the first of each GPU
 # model binds saved packages (AOT_LOAD) or compiles on the GPU, the others bind the same packages.
-REPLICAS = replicas.start(OPTIONS)
+try:
+    OPTIONS = Options.from_env(PARSER.parse_args() if __name__ == "__main__" else None)
+    REPLICAS = replicas.start(OPTIONS)
+except (ValueError, RuntimeError) as exc:  # what our checks raise for a setting that cannot work, with the fix
+    if __name__ != "__main__":
+        raise
+    PARSER.exit(2, f"app.py: error: {exc}\n")  # that one line, without a traceback before it
 pipe = REPLICAS.pipes[0]  # the model's facts below are the same for every replica
 RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
 # Guidance-distilled FLUX.1-dev takes a guidance scale; timestep-distilled schnell (no guidance

@@ -60,6 +60,12 @@ def test_image_of_the_requested_size_comes_back_with_its_seed(client):
     assert notes == "768x512 px, 2 steps, seed 11."  # what was generated, for the UI and API clients
 
 
+def test_the_api_names_its_inputs_and_outputs(client):
+    endpoint = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]
+    assert [p["parameter_name"] for p in endpoint["parameters"]][-2:] == ["lora", "image"]
+    assert [r["label"] for r in endpoint["returns"]] == ["Result", "seed", "notes"]  # were value_9, value_10
+
+
 def test_same_seed_same_image_and_random_seed_is_reported(client):
     first, _, _ = generate(client, seed=3)
     second, _, _ = generate(client, seed=3)
@@ -212,6 +218,20 @@ def test_eager_switch_serves_the_uncompiled_pipeline():
     assert done.returncode == 0, done.stderr[-3000:]
     status, seed = json.loads(done.stdout.strip().splitlines()[-1])
     assert status.startswith("eager pipeline") and seed == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min-side", "500"], "app.py: error: side range 500..1536 px: both ends must be multiples of 16"),
+        (["--attention", "fa3"], "app.py: error: attention=fa3 cannot run: FA3 needs a CUDA GPU"),
+    ],
+)
+def test_a_setting_that_cannot_work_stops_app_py_with_one_line(flags, message):
+    env = {**os.environ, "MODEL_ID": TINY}
+    done = subprocess.run([sys.executable, "app.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-3000:]
 
 
 def test_large_model_without_cuda_names_what_it_needs(tmp_path):

@@ -97,7 +97,7 @@ def test_compiled_family_matches_eager_at_both_ends_and_non_square(folder, saved
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_space_serves_the_family_from_its_saved_packages(folder, saved, tmp_path):
-    _, packages = saved(folder)
+    pipe, packages = saved(folder)
     env = {
         "MODEL_ID": str(ROOT / "assets" / folder),
         "AOT_LOAD": str(packages),
@@ -121,6 +121,11 @@ def test_space_serves_the_family_from_its_saved_packages(folder, saved, tmp_path
                 client.predict("a red cat " * 300, *args[1:], api_name="/generate")
         path, seed, notes = client.predict(*args, api_name="/generate")  # text-only clients omit the image
         assert np.asarray(Image.open(path)).shape == (256, 384, 3) and seed == 5
+        # What the request did not get as asked is in the notes: unused guidance, a resized input image.
+        unused = f"Guidance {row.guidance:g} was not used"
+        assert (unused in notes) == (not row.guided(pipe) and row.guidance != 0), notes
+        resized = "The input image (300x200) was resized to 384x256"
+        assert (resized in notes) == (row.image_input == "required"), notes
         if row.image_input == "optional":
             image_path = tmp_path / "reference.png"
             input_image().save(image_path)
