@@ -425,7 +425,7 @@ def _mapped_extractions() -> set[Path]:
     """The `/tmp/<random>` folders of the AOTI libraries this process has loaded (/proc/self/maps)."""
     folders = set()
     with open("/proc/self/maps") as maps:
-        for line in maps:  # address, perms, offset, device, inode, path; plain string tests: 57 loads read it
+        for line in maps:  # address, perms, offset, device, inode, path; plain string tests
             if not line.endswith(".so\n") or "/aotinductor/" not in line:
                 continue
             path = Path(line.split(maxsplit=5)[-1].strip())

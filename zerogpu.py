@@ -11,18 +11,22 @@ What runs where, in this template:
 
     main process (never initialises CUDA)           GPU worker
     ---------------------------------------------   -------------------------------------------------
-    load the weights (`.to("cuda")`: emulated);     startup (`compile._load_or_compile`): decide
-    torch's CPU ISA probe, finished before the      attention and FP8 on the real card, load + verify
-    first fork (`blocks.wait_for_cpu_isa_probe`)     saved packages or capture + export + compile;
-                                                     only the packages (bytes) cross back
-    apply_: FP8-quantize the blocks' weights,
-    patch each block's forward (no package is
-    loaded here), patch the step for CUDA graphs
-    at launch, spaces packs the weights to disk     each request (`app.infer`): on a new worker, the
-                                                     first call of a block loads its package (FA3
-                                                     first) and binds its weights; the first step of
-                                                     a size captures its CUDA graph; both are redone
-                                                     by every new worker, never by a reused one
+    load the weights (`.to("cuda")`: emulated);     startup (`compile._load_or_compile`): the text
+    torch's CPU ISA probe, finished before the      encoders' FP8 trial, then the card's plan of
+    first fork (`blocks.wait_for_cpu_isa_probe`)     trials (attention, FP8), load + verify saved
+                                                     packages or capture + export + compile; only
+                                                     the packages (bytes) and decisions cross back
+    apply_: FP8-quantize the blocks' and the text
+    encoders' weights, patch each block's forward
+    (no package is loaded here), patch the step
+    for CUDA graphs; log what a new worker moves
+    at launch, spaces packs the weights to disk     each request (`app.infer`): on a new worker,
+                                                     spaces moves the weights to the GPU; the first
+                                                     call of each block class loads its package
+                                                     (FA3 first), each block binds its tensors before
+                                                     it runs; the first step of a size captures its
+                                                     CUDA graph; all redone by every new worker,
+                                                     never by a reused one (`zerogpu-call` lines)
 
 Large objects (the pipeline) reach the worker through fork, as module state, never as arguments:
 pickling an emulated CUDA tensor fails, and a module pickled from a Gradio thread arrives with
