@@ -595,11 +595,21 @@ def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, parents=[Options.parser()], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="compile.py",
+        description=__doc__,
+        parents=[Options.parser()],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    options = Options.from_env(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    options = Options.from_env(args)
     if not options.compile:
         parser.error("--no-compile: compile.py compiles; `python app.py --no-compile` serves the eager pipeline")
+    if options.devices != "auto":
+        given = f"--devices {args.devices}" if args.devices is not None else f"AOT_DEVICES={options.devices}"
+        parser.error(
+            f"{given}: compile.py compiles on one device (--device, e.g. --device cuda:1); "
+            "--devices is for app.py (one replica per device)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     pipe = load_pipeline(options)
     start = time.perf_counter()

@@ -259,3 +259,28 @@ def test_a_hub_model_offline_fails_fast_saying_the_hub_cannot_be_reached(monkeyp
     with pytest.raises(RuntimeError, match=message):
         load_pipeline(Options(model="black-forest-labs/FLUX.1-dev", device="cpu"))
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize("where", ["flag", "environment"])
+def test_compile_py_refuses_devices_it_would_ignore(where, monkeypatch, capsys):
+    # Before: `python compile.py --devices cuda:0,cuda:1` compiled on the CPU without a word.
+    import compile
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before --devices was refused")
+
+    monkeypatch.setattr(compile, "load_pipeline", tripwire)
+    argv = ["--model", str(ROOT / "assets" / "tiny-flux")]
+    if where == "flag":
+        argv += ["--devices", "cuda:0,cuda:1"]
+    else:
+        monkeypatch.setenv("AOT_DEVICES", "cuda:0,cuda:1")
+    with pytest.raises(SystemExit) as exited:
+        compile.main(argv)
+    given = "--devices cuda:0,cuda:1" if where == "flag" else "AOT_DEVICES=cuda:0,cuda:1"
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"compile.py: error: {given}: compile.py compiles on one device (--device, e.g. --device cuda:1); "
+        "--devices is for app.py (one replica per device)"
+    )
+
