@@ -284,3 +284,37 @@ def test_compile_py_refuses_devices_it_would_ignore(where, monkeypatch, capsys):
         "--devices is for app.py (one replica per device)"
     )
 
+
+# Printed on stderr by a library whatever the options: diffusers' torchao quantizer, at import, with
+# this torchao (its Tensor classes moved). Nothing of ours.
+HARMLESS = ("Unable to import `torchao` Tensor objects.",)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min-side", "500"], "side range 500..1536 px: both ends must be multiples of 16 with 0 < min <= max"),
+        (["--attention", "fa3"], "attention=fa3 cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu."),
+    ],
+    ids=["min-side", "fa3"],
+)
+def test_compile_py_configuration_errors_are_one_line_without_a_traceback(flags, message):
+    command = [sys.executable, "compile.py", "--model", str(ROOT / "assets" / "tiny-flux"), *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(HARMLESS)]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"compile.py: error: {message}"), done.stderr[-3000:]
+
+
+def test_compile_py_keeps_the_traceback_of_an_error_raised_inside_a_library(tmp_path):
+    # A RuntimeError that torch raises (not a configuration error of ours) is a fault to find: traceback kept.
+    import json
+    import shutil
+
+    model = Path(shutil.copytree(ROOT / "assets" / "tiny-flux", tmp_path / "model"))
+    config = model / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "joint_attention_dim": -5}))
+    command = [sys.executable, "compile.py", "--model", str(model)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith("RuntimeError: Trying to create tensor with negative dimension")
