@@ -276,8 +276,8 @@ def _tidy(directory: Path) -> None:
             os.rename(olds.pop(), directory)
             log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
         for leftover in left("old") + left("staging"):
-            _remove(leftover)
-            log.info("removed %s, left by an interrupted save", leftover)
+            if _remove(leftover):
+                log.info("removed %s, left by an interrupted save", leftover)
     except OSError as exc:
         log.warning("cannot tidy up what interrupted saves left beside %s: %s", directory, exc)
 
@@ -288,18 +288,21 @@ def _saver_alive(suffix: str) -> bool:
     return pid is not None and process_alive(int(pid.group(1)))
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> bool:
     """Delete `path`, a leftover of ours: read-only folders are made writable first; a link or a
-    file is unlinked, never followed. A failure is logged (the folder stays; nothing depends on it)."""
+    file is unlinked, never followed. Returns whether it is gone, so that a caller reports only a
+    removal that happened. A failure is logged (the folder stays; nothing depends on it)."""
     try:
         if path.is_symlink() or not path.is_dir():
             path.unlink(missing_ok=True)
-            return
+            return True
         for root, _, _ in os.walk(path):  # top-down: each folder is writable before its entries go
             os.chmod(root, 0o700)
         shutil.rmtree(path)
+        return True
     except OSError as exc:
         log.warning("cannot remove %s: %s", path, exc)
+        return False
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -463,6 +463,42 @@ def test_leftovers_of_dead_saves_are_cleaned_on_load_and_a_live_save_keeps_its_o
     assert _beside(copy) == [live.name]
 
 
+def test_a_leftover_that_cannot_be_removed_is_not_reported_removed(tmp_path, caplog):
+    # Before: a --load from a read-only place logged "cannot remove X", then "removed X".
+    # Permission bits do not stop root: as root the tidy runs without CAP_DAC_OVERRIDE (setpriv).
+    parent = tmp_path / "read-only"
+    folder = parent / "packages"
+    leftover = parent / f".packages.staging-{_dead_pid()}-k2j4"
+    (leftover / "sub").mkdir(parents=True)
+    folder.mkdir()
+    parent.chmod(0o555)
+    script = f"""
+import logging, sys
+from pathlib import Path
+sys.path.insert(0, {str(ROOT)!r})
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+import packages
+packages._tidy(Path({str(folder)!r}))
+"""
+    command = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: a read-only folder cannot be tested")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        parent.chmod(0o755)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"WARNING cannot remove {leftover}: [Errno 13] Permission denied" in done.stdout, done.stdout
+    assert f"removed {leftover}" not in done.stdout, done.stdout
+    assert leftover.is_dir()
+    with caplog.at_level(logging.INFO, logger="packages"):
+        packages._tidy(folder)  # writable now: removed, and said so
+    assert not leftover.exists()
+    assert [r.getMessage() for r in caplog.records] == [f"removed {leftover}, left by an interrupted save"]
+
+
 def test_a_relative_folder_stopped_between_the_renames_is_still_local(saved, tmp_path, monkeypatch):
     # Before: rel/pk was missing, so `rel/pk` was taken for a Hub repo id.
     monkeypatch.chdir(tmp_path)
