@@ -558,6 +558,28 @@ def test_a_push_with_a_revision_is_refused():
         packages.check_push_target("owner/name@main")
 
 
+@pytest.mark.parametrize("writable", [None, "folder", "block folder", "package"])
+def test_packages_others_can_write_are_loaded_with_a_warning(copy, caplog, writable):
+    # Before: loaded without a word, though whoever can write there can run code in the Space.
+    for path in [copy, *copy.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    block = copy / f"FluxTransformerBlock.{VARIANT}"
+    changed = {"folder": (copy, 0o777), "block folder": (block, 0o775), "package": (block / "package.pt2", 0o646)}
+    if writable:
+        path, mode = changed[writable]
+        path.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="packages"):
+        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    warnings = [r.getMessage() for r in caplog.records if "can be written by group or other users" in r.getMessage()]
+    if writable is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(f"{path} (mode {mode:o}) can be written by group or other users: "), warnings
+        assert warnings[0].endswith(f"chmod -R go-w {copy}")
+
+
 def test_hub_cache_links_are_followed_only_inside_the_cache(tmp_path):
     # huggingface_hub's cache layout: snapshot files link to the repo's blobs, which may link on to
     # the cache-wide shared store. Built by hand here: no download is involved.
