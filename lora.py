@@ -23,6 +23,7 @@ Only safetensors files are read (`use_safetensors=True`): a pickled LoRA could r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -46,13 +47,51 @@ class LoraSpec:
     scale: float = 1.0
 
     def check(self) -> None:
-        """Raise `ValueError` unless `source` is an existing path or has a Hub repo id's shape (before
-        any weight is loaded; whether the repo exists, diffusers finds out)."""
+        """Raise `ValueError` unless `source` is an existing path or has a Hub repo id's shape, and,
+        for a local source, unless the file diffusers would read (`local_file`) has a readable
+        safetensors header that covers the file. Runs before any weight is loaded: a corrupt or
+        truncated LoRA costs seconds here, not a load and a compile before diffusers' raw error.
+        A Hub source is not downloaded here; whether the repo exists, diffusers finds out (`read`).
+        """
         if not os.path.exists(self.source) and not HUB_SOURCE.fullmatch(self.source):
             raise ValueError(
                 f"LoRA {self.name}: {self.source!r} is neither a file or folder here nor a Hub repo "
                 "(owner/name or owner/name/file.safetensors)"
             )
+        path = self.local_file()
+        problem = safetensors_problem(path) if path else None
+        if problem:
+            raise ValueError(f"LoRA {self.name}: {path} is not a readable safetensors file ({problem})")
+
+    def local_file(self) -> str | None:
+        """The file diffusers reads for a local `source`, or None for a Hub source.
+
+        A file is read as safetensors whatever its name (`use_safetensors=True`). In a folder,
+        diffusers (`lora_base._best_guess_weight_name`, 0.42) picks among the `.safetensors` files
+        at its top level, in `os.listdir` order, those without scheduler, optimizer or checkpoint in
+        their name, preferring `pytorch_lora_weights.safetensors`, and takes the first: the same
+        rule, on the same listing, picks the same file here.
+
+        Raises:
+            ValueError: a folder with no such file (diffusers would fail on it, or raise IndexError).
+        """
+        if not os.path.exists(self.source):
+            return None
+        if not os.path.isdir(self.source):
+            return self.source
+        found = [
+            name
+            for name in os.listdir(self.source)
+            if name.endswith(".safetensors") and not any(s in name for s in ("scheduler", "optimizer", "checkpoint"))
+        ]
+        preferred = [name for name in found if name.endswith(DIFFUSERS_LORA_FILE)]
+        picked = (preferred or found)[:1]
+        if not picked:
+            raise ValueError(
+                f"LoRA {self.name}: the folder {self.source} holds no .safetensors LoRA file (only safetensors "
+                "are read; names with scheduler, optimizer or checkpoint are skipped); name the file instead"
+            )
+        return os.path.join(self.source, picked[0])
 
     def load_kwargs(self) -> dict[str, Any]:
         """Arguments for diffusers' `lora_state_dict`/`load_lora_weights`: the path or repo first."""
@@ -62,6 +101,26 @@ class LoraSpec:
         else:
             where = {"pretrained_model_name_or_path_or_dict": self.source}
         return {**where, "use_safetensors": True}
+
+
+# The file name diffusers prefers in a LoRA folder (`diffusers.loaders.lora_base.LORA_WEIGHT_NAME_SAFE`).
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why `path` is not a readable safetensors file, or None; reads its header only.
+
+    `safe_open` parses the 8-byte length and the JSON header and checks that the tensors it lists
+    cover the file exactly, so text saved as `.safetensors` and a truncated file are both caught
+    in milliseconds (the tensors are memory-mapped, not read). Corrupt tensor bytes are not.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            return None
+    except (SafetensorError, OSError) as exc:
+        return str(exc)
 
 
 HUB_SOURCE = re.compile(r"[\w.-]+/[\w.-]+(/[\w./-]+\.safetensors)?")
@@ -108,16 +167,18 @@ def read(pipe: Any, spec: LoraSpec) -> dict[str, Factors]:
     """The LoRA's factors per targeted layer of `pipe.transformer`, by module path. Touches no weight.
 
     Raises:
-        ValueError: the pipeline class has no LoRA loader, the LoRA has layers this template does
-            not apply (see the module docstring), or its shapes do not fit the transformer.
-        OSError: the file or repo cannot be read (diffusers' message).
+        ValueError: the pipeline class has no LoRA loader, the file is not a readable safetensors
+            file, the LoRA has layers this template does not apply (see the module docstring), or
+            its shapes do not fit the transformer.
+        OSError: the file or repo cannot be read (diffusers' message, after the LoRA's name).
     """
     from peft.tuners.lora import LoraLayer
 
     loader = type(pipe)
     if not hasattr(loader, "load_lora_weights"):
         raise ValueError(f"LoRA {spec.name}: diffusers has no LoRA loader for {loader.__name__}")
-    out = loader.lora_state_dict(**spec.load_kwargs())
+    with _naming(spec):
+        out = loader.lora_state_dict(**spec.load_kwargs())
     state_dict = out[0] if isinstance(out, tuple) else out
     others = sorted({key.split(".")[0] for key in state_dict if not key.startswith("transformer.")})
     if others:
@@ -135,7 +196,8 @@ def read(pipe: Any, spec: LoraSpec) -> dict[str, Factors]:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        shell.load_lora_weights(**spec.load_kwargs(), adapter_name="read")
+        with _naming(spec):
+            shell.load_lora_weights(**spec.load_kwargs(), adapter_name="read")
     finally:
         quiet.setLevel(level)
     weights = dict(pipe.transformer.named_modules())
@@ -159,6 +221,20 @@ def read(pipe: Any, spec: LoraSpec) -> dict[str, Factors]:
     if not factors:
         raise ValueError(f"LoRA {spec.name}: targets no layer of {type(pipe.transformer).__name__}")
     return factors
+
+
+@contextlib.contextmanager
+def _naming(spec: LoraSpec):
+    """Re-raise diffusers' read errors with the LoRA's name: with several LoRAs offered, its raw
+    `SafetensorError` or `OSError` does not say which one failed."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        raise ValueError(f"LoRA {spec.name}: {spec.source} is not a readable safetensors file ({exc})") from exc
+    except OSError as exc:
+        raise OSError(f"LoRA {spec.name}: cannot read {spec.source}: {exc}") from exc
 
 
 def _delta(factors: Factors, device: torch.device) -> torch.Tensor:

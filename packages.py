@@ -276,8 +276,8 @@ def _tidy(directory: Path) -> None:
             os.rename(olds.pop(), directory)
             log.warning("%s was missing after an interrupted save; restored the previous packages", directory)
         for leftover in left("old") + left("staging"):
-            _remove(leftover)
-            log.info("removed %s, left by an interrupted save", leftover)
+            if _remove(leftover):
+                log.info("removed %s, left by an interrupted save", leftover)
     except OSError as exc:
         log.warning("cannot tidy up what interrupted saves left beside %s: %s", directory, exc)
 
@@ -288,18 +288,21 @@ def _saver_alive(suffix: str) -> bool:
     return pid is not None and process_alive(int(pid.group(1)))
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> bool:
     """Delete `path`, a leftover of ours: read-only folders are made writable first; a link or a
-    file is unlinked, never followed. A failure is logged (the folder stays; nothing depends on it)."""
+    file is unlinked, never followed. Returns whether it is gone, so that a caller reports only a
+    removal that happened. A failure is logged (the folder stays; nothing depends on it)."""
     try:
         if path.is_symlink() or not path.is_dir():
             path.unlink(missing_ok=True)
-            return
+            return True
         for root, _, _ in os.walk(path):  # top-down: each folder is writable before its entries go
             os.chmod(root, 0o700)
         shutil.rmtree(path)
+        return True
     except OSError as exc:
         log.warning("cannot remove %s: %s", path, exc)
+        return False
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -322,7 +325,8 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
     Returns `(compiled, "")`, or `(None, reason)` with a one-line reason when they cannot be used
     here: no such variant, a malformed config, block classes other than this model's, a fingerprint
     field that differs, a file that is missing, truncated, corrupt or not a regular file inside the
-    folder (`_open_inside`).
+    folder (`_open_inside`). A local folder whose packages group or other users can write is
+    loaded with a warning (`_warn_if_writable_by_others`).
 
     Raises:
         RuntimeError: a fast path explicitly requested in `options` cannot run here.
@@ -350,11 +354,43 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
         return None, one_line(str(exc), REASON_LIMIT)
     except OSError as exc:  # an unreadable file or folder (permissions, I/O error)
         return None, one_line(f"cannot read {source}: {type(exc).__name__}: {exc}", REASON_LIMIT)
+    if cache is None:  # a local folder
+        read = [f"config.{name}.json", *(f"{block}.{name}/{PACKAGE}" for block in config["blocks"])]
+        _warn_if_writable_by_others(folder, read)
     decisions = [Decision(*d) for d in config["decisions"]]
     saved = config["fingerprint"]
     return Compiled(
         packages, decisions, resolution, here["fa3_kernel"], config["fp8_granularity"], saved, f"loaded from {label}"
     ), ""
+
+
+def _warn_if_writable_by_others(folder: Path, relatives: list[str]) -> None:
+    """Log one warning when `folder`, a file `relatives` names in it, or a folder between the two
+    may be written by group or other users (S_IWGRP, S_IWOTH): a package is native code that runs in
+    this process, so whoever can write there can run code in the Space. Its SHA-256 is no guard:
+    the same user can rewrite the config beside it. Not refused: a shared folder may be intended.
+    """
+    paths = {folder}
+    for relative in relatives:
+        parts = relative.split("/")
+        paths.update(folder.joinpath(*parts[:i]) for i in range(1, len(parts) + 1))
+    writable = []
+    for path in sorted(paths):
+        try:
+            mode = os.stat(path).st_mode  # `folder` may be a link (the user named it); nothing inside is
+        except OSError:
+            continue
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            writable.append(f"{path} (mode {stat.S_IMODE(mode):o})")
+    if writable:
+        more = f" and {len(writable) - 3} more" if len(writable) > 3 else ""
+        log.warning(
+            "%s%s can be written by group or other users: packages are native code that runs in this process, so "
+            "whoever can write there can run code here; make them yours alone: chmod -R go-w %s",
+            ", ".join(writable[:3]),
+            more,
+            folder,
+        )
 
 
 # A refusal's reason is one log line of at most this many characters.

@@ -4,6 +4,11 @@ References are the eager pipeline with the same LoRAs loaded by diffusers + peft
 (`load_lora_weights`, `set_adapters`): peft's own unfused forward, not our arithmetic.
 """
 
+import os
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
@@ -167,3 +172,67 @@ def test_a_missing_lora_file_stops_startup_before_the_weights_load(tmp_path):
     options = tiny_options(lora_choices=str(tmp_path / "nope.safetensors"))
     with pytest.raises(ValueError, match="nope.safetensors' is neither a file"):
         load_pipeline(options)
+
+
+def _corrupt(tmp_path, kind: str) -> tuple[str, str, str]:
+    """A LoRA source of `kind`, its default name, and the file in it that is broken."""
+    if kind == "text":
+        path = tmp_path / "notes.safetensors"
+        path.write_text("a text file saved under a LoRA's name\n")
+        return str(path), "notes", str(path)
+    truncated = Path(A).read_bytes()[: Path(A).stat().st_size // 2]
+    if kind == "truncated":
+        path = tmp_path / "half.safetensors"
+        path.write_bytes(truncated)
+        return str(path), "half", str(path)
+    # A folder: diffusers prefers pytorch_lora_weights.safetensors over the valid file beside it.
+    folder = tmp_path / "style"
+    folder.mkdir()
+    shutil.copyfile(B, folder / "other.safetensors")
+    (folder / "pytorch_lora_weights.safetensors").write_bytes(truncated)
+    return str(folder), "style", str(folder / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("option", ["lora", "lora_choices"])
+@pytest.mark.parametrize("kind", ["text", "truncated", "folder"])
+def test_a_corrupt_lora_is_refused_naming_it_before_any_weight_loads(tmp_path, monkeypatch, kind, option):
+    # Before: a corrupt AOT_LORA_CHOICES file failed after the compile with a raw SafetensorError.
+    source, name, broken = _corrupt(tmp_path, kind)
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("weights were loaded before the LoRAs were checked")
+
+    monkeypatch.setattr(FluxPipeline, "from_pretrained", tripwire)
+    message = rf"LoRA {name}: {re.escape(broken)} is not a readable safetensors file \(Error while deserializing header"
+    with pytest.raises(ValueError, match=message):
+        load_pipeline(tiny_options(**{option: f"{A},{source}"}))
+
+
+def test_the_file_checked_in_a_folder_is_the_one_diffusers_reads(tmp_path):
+    from diffusers.loaders.lora_base import _best_guess_weight_name
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    (folder / "checkpoint-500.safetensors").write_text("skipped by diffusers, so not checked")
+    for name in ("x.safetensors", "y.safetensors", "z.safetensors"):
+        shutil.copyfile(A, folder / name)
+    spec = lora.LoraSpec("loras", str(folder))
+    spec.check()
+    assert os.path.basename(spec.local_file()) == _best_guess_weight_name(str(folder))
+    shutil.copyfile(B, folder / "pytorch_lora_weights.safetensors")
+    assert os.path.basename(spec.local_file()) == _best_guess_weight_name(str(folder)) == lora.DIFFUSERS_LORA_FILE
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=f"LoRA empty: the folder {re.escape(str(empty))} holds no .safetensors"):
+        lora.LoraSpec("empty", str(empty)).check()
+
+
+def test_read_errors_name_the_lora(tmp_path):
+    # lora.read without the startup check (bench.py, code using lora.Adapters directly).
+    source, _, _ = _corrupt(tmp_path, "text")
+    pipe = load_tiny()
+    with pytest.raises(ValueError, match=rf"LoRA broken: {re.escape(source)} is not a readable safetensors file \("):
+        lora.read(pipe, lora.LoraSpec("broken", source))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="LoRA gone: cannot read .*empty: Error no file named pytorch_lora_weights"):
+        lora.read(pipe, lora.LoraSpec("gone", str(tmp_path / "empty")))

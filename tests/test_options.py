@@ -259,3 +259,62 @@ def test_a_hub_model_offline_fails_fast_saying_the_hub_cannot_be_reached(monkeyp
     with pytest.raises(RuntimeError, match=message):
         load_pipeline(Options(model="black-forest-labs/FLUX.1-dev", device="cpu"))
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize("where", ["flag", "environment"])
+def test_compile_py_refuses_devices_it_would_ignore(where, monkeypatch, capsys):
+    # Before: `python compile.py --devices cuda:0,cuda:1` compiled on the CPU without a word.
+    import compile
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before --devices was refused")
+
+    monkeypatch.setattr(compile, "load_pipeline", tripwire)
+    argv = ["--model", str(ROOT / "assets" / "tiny-flux")]
+    if where == "flag":
+        argv += ["--devices", "cuda:0,cuda:1"]
+    else:
+        monkeypatch.setenv("AOT_DEVICES", "cuda:0,cuda:1")
+    with pytest.raises(SystemExit) as exited:
+        compile.main(argv)
+    given = "--devices cuda:0,cuda:1" if where == "flag" else "AOT_DEVICES=cuda:0,cuda:1"
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"compile.py: error: {given}: compile.py compiles on one device (--device, e.g. --device cuda:1); "
+        "--devices is for app.py (one replica per device)"
+    )
+
+
+# Printed on stderr by a library whatever the options: diffusers' torchao quantizer, at import, with
+# this torchao (its Tensor classes moved). Nothing of ours.
+HARMLESS = ("Unable to import `torchao` Tensor objects.",)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min-side", "500"], "side range 500..1536 px: both ends must be multiples of 16 with 0 < min <= max"),
+        (["--attention", "fa3"], "attention=fa3 cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu."),
+    ],
+    ids=["min-side", "fa3"],
+)
+def test_compile_py_configuration_errors_are_one_line_without_a_traceback(flags, message):
+    command = [sys.executable, "compile.py", "--model", str(ROOT / "assets" / "tiny-flux"), *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(HARMLESS)]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"compile.py: error: {message}"), done.stderr[-3000:]
+
+
+def test_compile_py_keeps_the_traceback_of_an_error_raised_inside_a_library(tmp_path):
+    # A RuntimeError that torch raises (not a configuration error of ours) is a fault to find: traceback kept.
+    import json
+    import shutil
+
+    model = Path(shutil.copytree(ROOT / "assets" / "tiny-flux", tmp_path / "model"))
+    config = model / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "joint_attention_dim": -5}))
+    command = [sys.executable, "compile.py", "--model", str(model)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith("RuntimeError: Trying to create tensor with negative dimension")

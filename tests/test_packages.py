@@ -463,6 +463,42 @@ def test_leftovers_of_dead_saves_are_cleaned_on_load_and_a_live_save_keeps_its_o
     assert _beside(copy) == [live.name]
 
 
+def test_a_leftover_that_cannot_be_removed_is_not_reported_removed(tmp_path, caplog):
+    # Before: a --load from a read-only place logged "cannot remove X", then "removed X".
+    # Permission bits do not stop root: as root the tidy runs without CAP_DAC_OVERRIDE (setpriv).
+    parent = tmp_path / "read-only"
+    folder = parent / "packages"
+    leftover = parent / f".packages.staging-{_dead_pid()}-k2j4"
+    (leftover / "sub").mkdir(parents=True)
+    folder.mkdir()
+    parent.chmod(0o555)
+    script = f"""
+import logging, sys
+from pathlib import Path
+sys.path.insert(0, {str(ROOT)!r})
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+import packages
+packages._tidy(Path({str(folder)!r}))
+"""
+    command = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: a read-only folder cannot be tested")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        parent.chmod(0o755)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"WARNING cannot remove {leftover}: [Errno 13] Permission denied" in done.stdout, done.stdout
+    assert f"removed {leftover}" not in done.stdout, done.stdout
+    assert leftover.is_dir()
+    with caplog.at_level(logging.INFO, logger="packages"):
+        packages._tidy(folder)  # writable now: removed, and said so
+    assert not leftover.exists()
+    assert [r.getMessage() for r in caplog.records] == [f"removed {leftover}, left by an interrupted save"]
+
+
 def test_a_relative_folder_stopped_between_the_renames_is_still_local(saved, tmp_path, monkeypatch):
     # Before: rel/pk was missing, so `rel/pk` was taken for a Hub repo id.
     monkeypatch.chdir(tmp_path)
@@ -520,6 +556,28 @@ def test_the_report_names_the_commit_loaded_from_the_hub():
 def test_a_push_with_a_revision_is_refused():
     with pytest.raises(RuntimeError, match=r"push to owner/name; a revision \(@\.\.\.\) is for --load only"):
         packages.check_push_target("owner/name@main")
+
+
+@pytest.mark.parametrize("writable", [None, "folder", "block folder", "package"])
+def test_packages_others_can_write_are_loaded_with_a_warning(copy, caplog, writable):
+    # Before: loaded without a word, though whoever can write there can run code in the Space.
+    for path in [copy, *copy.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    block = copy / f"FluxTransformerBlock.{VARIANT}"
+    changed = {"folder": (copy, 0o777), "block folder": (block, 0o775), "package": (block / "package.pt2", 0o646)}
+    if writable:
+        path, mode = changed[writable]
+        path.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="packages"):
+        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    warnings = [r.getMessage() for r in caplog.records if "can be written by group or other users" in r.getMessage()]
+    if writable is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(f"{path} (mode {mode:o}) can be written by group or other users: "), warnings
+        assert warnings[0].endswith(f"chmod -R go-w {copy}")
 
 
 def test_hub_cache_links_are_followed_only_inside_the_cache(tmp_path):
