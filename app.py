@@ -26,7 +26,7 @@ from PIL import Image
 import replicas
 import zerogpu
 from families import family
-from options import Options
+from options import Options, stops_in_one_line
 
 # --- configuration ---------------------------------------------------------------------------
 STARTED = time.perf_counter()
@@ -77,13 +77,9 @@ log = logging.getLogger("app")
 # --- startup: load, compile, apply --------------------------------------------------------------
 # One replica per GPU (AOT_DEVICES; one on ZeroGPU): each loads the weights, the first of each GPU
 # model binds saved packages (AOT_LOAD) or compiles on the GPU, the others bind the same packages.
-try:
+with stops_in_one_line(PARSER, enabled=__name__ == "__main__"):  # a setting that cannot work: one line
     OPTIONS = Options.from_env(PARSER.parse_args() if __name__ == "__main__" else None)
     REPLICAS = replicas.start(OPTIONS)
-except (ValueError, RuntimeError) as exc:  # what our checks raise for a setting that cannot work, with the fix
-    if __name__ != "__main__":
-        raise
-    PARSER.exit(2, f"app.py: error: {exc}\n")  # that one line, without a traceback before it
 pipe = REPLICAS.pipes[0]  # the model's facts below are the same for every replica
 RESOLUTION = OPTIONS.resolution(pipe.vae_scale_factor)
 # Guidance-distilled FLUX.1-dev takes a guidance scale; timestep-distilled schnell (no guidance

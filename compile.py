@@ -82,7 +82,7 @@ from fast_paths import (
     resolve_plan,
 )
 from graphs import GraphedStep, graph_step_
-from options import Options
+from options import Options, stops_in_one_line
 from packages import check_push_target, check_save_target, fingerprint, load_packages, push_packages, save_packages
 
 log = logging.getLogger("compile")
@@ -594,62 +594,29 @@ def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: compile (or load) on one device, check, print the report.
-
-    A configuration error our code raises on purpose (a `raise` of ValueError, RuntimeError or
-    OSError in one of this folder's modules: a side range, a fast path this machine cannot run, a
-    Hub it cannot reach, a LoRA it cannot read) exits with status 2 and one line, as argparse's
-    own errors do: the traceback would only bury the message. Anything raised inside a library
-    (torch, diffusers) keeps its traceback, which is what finding that fault needs.
-    """
-    import linecache
-    from pathlib import Path
-
+    """The command line: compile (or load) on one device, check, print the report. A setting that
+    cannot work stops it with one line (`options.stops_in_one_line`)."""
     parser = argparse.ArgumentParser(
         prog="compile.py",
         description=__doc__,
         parents=[Options.parser()],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    here = Path(__file__).resolve().parent
-
-    def on_purpose(exc: BaseException) -> bool:
-        """Whether `exc` was raised by a `raise` statement in one of this folder's modules."""
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        if tb is None:
-            return False
-        source = Path(tb.tb_frame.f_code.co_filename).resolve()
-        return source.parent == here and linecache.getline(str(source), tb.tb_lineno).lstrip().startswith("raise")
-
-    def error(exc: BaseException) -> None:
-        parser.exit(2, f"{parser.prog}: error: {' '.join(str(exc).split())}\n")
-
     args = parser.parse_args(argv)
-    try:
+    with stops_in_one_line(parser):
         options = Options.from_env(args)
-    except ValueError as exc:
-        if not on_purpose(exc):
-            raise
-        error(exc)
-    if not options.compile:
-        parser.error("--no-compile: compile.py compiles; `python app.py --no-compile` serves the eager pipeline")
-    if options.devices != "auto":
-        given = f"--devices {args.devices}" if args.devices is not None else f"AOT_DEVICES={options.devices}"
-        parser.error(
-            f"{given}: compile.py compiles on one device (--device, e.g. --device cuda:1); "
-            "--devices is for app.py (one replica per device)"
-        )
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    try:
+        if not options.compile:
+            parser.error("--no-compile: compile.py compiles; `python app.py --no-compile` serves the eager pipeline")
+        if options.devices != "auto":
+            given = f"--devices {args.devices}" if args.devices is not None else f"AOT_DEVICES={options.devices}"
+            parser.error(
+                f"{given}: compile.py compiles on one device (--device, e.g. --device cuda:1); "
+                "--devices is for app.py (one replica per device)"
+            )
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         pipe = load_pipeline(options)
         start = time.perf_counter()
         report = optimize_(pipe, options)
-    except (ValueError, RuntimeError, OSError) as exc:
-        if not on_purpose(exc):
-            raise
-        error(exc)
     ready = time.perf_counter() - start
     side = options.min_side
     row = family(type(pipe).__name__)

@@ -7,10 +7,13 @@ variable; `python compile.py --help` and `python app.py --help` list them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # Image sizes the compiled blocks accept: each side a multiple of the pipeline's pixel step (16 for
@@ -227,6 +230,32 @@ class Options:
         parse(self.lora), parse(self.lora_choices)  # raises ValueError naming the item and the syntax
         if self.push and not self.save:
             raise ValueError(f"push={self.push!r} needs save: the folder whose packages are pushed (--save DIR)")
+
+
+@contextlib.contextmanager
+def stops_in_one_line(parser: argparse.ArgumentParser, enabled: bool = True) -> Iterator[None]:
+    """Inside, a setting that cannot work ends the program with `<prog>: error: <message>` and
+    status 2, as argparse's own errors do, instead of a traceback that buries the message. Only
+    errors our own checks raise (a ValueError, RuntimeError or OSError whose innermost frame is in
+    this template's modules: a side range, a fast path this machine cannot run, an unreachable Hub,
+    an unreadable LoRA); one raised inside a library (torch, diffusers) keeps its traceback, which
+    finding that fault needs, and so does one carried from a ZeroGPU worker (`zerogpu.gpu` adds the
+    worker's traceback as a note). With `enabled` False (a module imported, not run) everything raises.
+    """
+    try:
+        yield
+    except (ValueError, RuntimeError, OSError) as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        ours = tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().parent == HERE
+        if not enabled or not ours or getattr(exc, "__notes__", None):
+            raise
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(exc).split())}\n")
+
+
+# The template's own modules: errors raised here are its checks (`stops_in_one_line`).
+HERE = Path(__file__).resolve().parent
 
 
 def _parse_env(f: dataclasses.Field, raw: str) -> Any:
