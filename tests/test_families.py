@@ -8,6 +8,7 @@ each family costs one compile and one quick app start.
 
 import dataclasses
 import json
+import urllib.request
 
 import numpy as np
 import pytest
@@ -126,6 +127,10 @@ def test_space_serves_the_family_from_its_saved_packages(folder, saved, tmp_path
         assert (unused in notes) == (not row.guided(pipe) and row.guidance != 0), notes
         resized = "The input image (300x200) was resized to 384x256"
         assert (resized in notes) == (row.image_input == "required"), notes
+        with urllib.request.urlopen(f"{app.url}config", timeout=30) as answer:  # the page's examples
+            components = json.load(answer)["components"]
+        samples = str([c["props"].get("samples") for c in components if c["type"] == "dataset"])
+        assert ("turn it into a watercolor painting" in samples) == (row.image_input == "required"), samples
         if row.image_input == "optional":
             image_path = tmp_path / "reference.png"
             input_image().save(image_path)
