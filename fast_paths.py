@@ -75,15 +75,23 @@ def plan_for(capability: tuple[int, int] | None) -> Plan:
     raise ValueError(f"no plan for compute capability {'.'.join(map(str, capability))}: fast_paths.PLANS")
 
 
+def forced_plan(options: Options) -> Plan | None:
+    """The plan `options.plan` forces (`12.0`), or None for `auto`. Raises `ValueError` for a
+    capability no row of `PLANS` covers."""
+    if options.plan == "auto":
+        return None
+    return plan_for(tuple(int(part) for part in options.plan.split(".")))
+
+
 def resolve_plan(options: Options, device: torch.device) -> tuple[Plan, Decision]:
     """This GPU's plan, or the one `options.plan` forces (`12.0` rehearses ZeroGPU's card on another
     GPU); the decision says which and why. Call it where the real card is (a ZeroGPU worker)."""
     here = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     gpu = f"{torch.cuda.get_device_name(device)}, sm_{''.join(map(str, here))}" if here else device.type
-    if options.plan == "auto":
+    plan = forced_plan(options)
+    if plan is None:
         plan = plan_for(here)
         return plan, Decision("plan", plan.name, f"auto: {gpu}; {plan.why}")
-    plan = plan_for(tuple(int(part) for part in options.plan.split(".")))
     return plan, Decision("plan", plan.name, f"forced by plan={options.plan} on {gpu}; {plan.why}")
 
 
@@ -184,8 +192,7 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
     """
     from zerogpu import ON_ZEROGPU
 
-    if options.plan != "auto":
-        plan_for(tuple(int(part) for part in options.plan.split(".")))  # a capability no row covers raises
+    forced_plan(options)  # a capability no row covers raises now, not in the GPU call
     emulated = device.type == "cuda" and ON_ZEROGPU
     if options.attention == "fa3" and not emulated:
         problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
