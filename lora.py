@@ -61,7 +61,11 @@ class LoraSpec:
         path = self.local_file()
         problem = safetensors_problem(path) if path else None
         if problem:
-            raise ValueError(f"LoRA {self.name}: {path} is not a readable safetensors file ({problem})")
+            raise self.unreadable(path, problem)
+
+    def unreadable(self, path: str, why: object) -> ValueError:
+        """The error for a LoRA file that is not readable safetensors, naming the LoRA and `why`."""
+        return ValueError(f"LoRA {self.name}: {path} is not a readable safetensors file ({why})")
 
     def local_file(self) -> str | None:
         """The file diffusers reads for a local `source`, or None for a Hub source.
@@ -232,7 +236,7 @@ def _naming(spec: LoraSpec):
     try:
         yield
     except SafetensorError as exc:
-        raise ValueError(f"LoRA {spec.name}: {spec.source} is not a readable safetensors file ({exc})") from exc
+        raise spec.unreadable(spec.source, exc) from exc
     except OSError as exc:
         raise OSError(f"LoRA {spec.name}: cannot read {spec.source}: {exc}") from exc
 
