@@ -224,11 +224,6 @@ class TextFP8:
         return {e.name: e.layers for e in self.encoders if e.fp8}
 
     @property
-    def bytes_saved(self) -> int:
-        """Bytes the trial took off the text encoders, all together."""
-        return sum(e.bytes_before - e.bytes_after for e in self.encoders)
-
-    @property
     def decision(self) -> Decision:
         """`text_fp8: on|off (reason)`: on where any encoder is in FP8; the reason names every encoder."""
         reason = self.reason or "; ".join(str(e) for e in self.encoders)
