@@ -23,10 +23,9 @@ import spaces  # noqa: F401  (before torch: on ZeroGPU it patches torch before a
 import torch
 from PIL import Image
 
-import replicas
-import zerogpu
-from families import family
-from options import Options, stops_in_one_line
+from aot import replicas, zerogpu
+from aot.families import family
+from aot.options import Options, stops_in_one_line
 
 # --- configuration ---------------------------------------------------------------------------
 STARTED = time.perf_counter()

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from blocks import apply_
-from compile import compile_blocks, load_pipeline
-from options import Options
+from aot.blocks import apply_
+from aot.export import compile_blocks
+from aot.options import Options
+from aot.pipeline import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-flux")
@@ -128,7 +129,7 @@ class ZeroGPUSpace(Server):
     def __init__(self, env: dict[str, str], log: Path, *harness_flags: str):
         self.api = f"http://127.0.0.1:{free_port()}"
         flags = ["--port", self.api.rsplit(":", 1)[1], *harness_flags]
-        super().__init__(["zerogpu_harness.py", *flags, "app.py"], env, log)
+        super().__init__(["tools/zerogpu_harness.py", *flags, "app.py"], env, log)
 
     def device(self, path: str, method: str = "GET") -> dict:
         with urllib.request.urlopen(urllib.request.Request(self.api + path, method=method), timeout=30) as answer:

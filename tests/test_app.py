@@ -17,8 +17,8 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
-from compile import load_pipeline
-from options import Options
+from aot.options import Options
+from aot.pipeline import load_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +236,7 @@ def test_a_setting_that_cannot_work_stops_app_py_with_one_line(flags, message):
 
 def test_large_model_without_cuda_names_what_it_needs(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from bench import published_transformer
+    from tools.bench import published_transformer
 
     index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))

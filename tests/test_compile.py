@@ -8,7 +8,7 @@ from conftest import TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
-from blocks import (
+from aot.blocks import (
     COSTS,
     BlockPackage,
     CompiledBlock,
@@ -19,8 +19,8 @@ from blocks import (
     rel_error,
     repeated_blocks,
 )
-from compile import capture_blocks, compile_blocks, compile_package, dynamic_shapes, export_block
-from options import Resolution
+from aot.export import capture_blocks, compile_blocks, compile_package, dynamic_shapes, export_block
+from aot.options import Resolution
 
 
 def compiled_blocks(pipe) -> list[CompiledBlock]:

@@ -17,10 +17,11 @@ from conftest import ROOT, TOLERANCE, Server
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from blocks import contract_from_captures, rel_error, repeated_blocks
-from compile import load_pipeline, optimize_
-from families import FAMILIES, family
-from options import Options, Resolution
+from aot.blocks import contract_from_captures, rel_error, repeated_blocks
+from aot.families import FAMILIES, family
+from aot.optimize import optimize_
+from aot.options import Options, Resolution
+from aot.pipeline import load_pipeline
 
 
 def pipeline_class(folder: str) -> str:

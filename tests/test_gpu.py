@@ -12,11 +12,12 @@ import pytest
 import torch
 from conftest import TINY, ZeroGPUSpace, generate
 
-from bench import published_transformer
-from blocks import apply_, rel_error
-from compile import MAX_REL_ERROR, compile_blocks, load_pipeline
-from fast_paths import FP8_MAX_REL_ERROR
-from options import Options
+from aot.blocks import apply_, rel_error
+from aot.export import MAX_REL_ERROR, compile_blocks
+from aot.fast_paths import FP8_MAX_REL_ERROR
+from aot.options import Options
+from aot.pipeline import load_pipeline
+from tools.bench import published_transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FA3_KERNEL = os.environ.get("AOT_FA3_KERNEL", Options.fa3_kernel)
@@ -82,7 +83,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
 
 def test_fp32_pipeline_falls_back_to_sdpa():
     # C22: FlashAttention has no fp32 kernels; auto must say so instead of crashing in the kernel.
-    from fast_paths import resolve_attention
+    from aot.fast_paths import resolve_attention
 
     pipe = wide_pipeline(torch.float32)
     decision = resolve_attention(Options(fa3_kernel=FA3_KERNEL), pipe.transformer, torch.device("cuda"))
@@ -94,8 +95,8 @@ def test_fp32_pipeline_falls_back_to_sdpa():
 
 def test_cuda_graph_replays_match_plain_steps():
     # Replays must compute what a plain step computes, for each size and after switching sizes.
-    from compile import optimize_
-    from graphs import GraphedStep
+    from aot.graphs import GraphedStep
+    from aot.optimize import optimize_
 
     pipe = wide_pipeline()
     report = optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
@@ -115,10 +116,10 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     # One transformer step on fixed inputs, the LoRA at scale 4: at scale 1 it moved this random
     # 2+2-block step by 1.8e-2 (H200, 2026-12-01), too close to FP8's own 7e-3 to tell "applied"
     # (error ~ FP8's) from "ignored" (error ~ the LoRA's effect); 2-step latents hid it further.
-    import lora
-    from bench import random_lora, step_inputs
-    from compile import optimize_
-    from fast_paths import fp8_config
+    from aot import lora
+    from aot.fast_paths import fp8_config
+    from aot.optimize import optimize_
+    from tools.bench import random_lora, step_inputs
 
     pipe = wide_pipeline()
     source = tmp_path / "lora.safetensors"

@@ -16,9 +16,10 @@ from diffusers import FluxPipeline
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
-import lora
-from blocks import rel_error
-from compile import load_pipeline, optimize_
+from aot import lora
+from aot.blocks import rel_error
+from aot.optimize import optimize_
+from aot.pipeline import load_pipeline
 
 LORAS = ROOT / "assets" / "tiny-flux-loras"
 A, B = str(LORAS / "a.safetensors"), str(LORAS / "b.safetensors")

@@ -11,10 +11,12 @@ import pytest
 import torch
 from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
 
-from blocks import apply_, rel_error
-from compile import compile_blocks, load_pipeline, optimize_
-from fast_paths import Decision, fp8_config, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
-from options import Options, Resolution
+from aot.blocks import apply_, rel_error
+from aot.export import compile_blocks
+from aot.fast_paths import Decision, fp8_config, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
+from aot.optimize import optimize_
+from aot.options import Options, Resolution
+from aot.pipeline import load_pipeline
 
 
 def parse(argv=(), environ=None) -> Options:
@@ -148,7 +150,7 @@ def capability_checks_pass(monkeypatch, fa3: bool = True):
     """Stand-in for a GPU whose capability checks pass (FA3 loads, FP8 may run): the CPU then really
     runs each trial, and the FA3 and FP8 kernels really fail them (C12, C20, C21). The tiny model's
     layers are narrower than FP8_MIN_FEATURES: lowered so that FP8 is attempted."""
-    import fast_paths
+    from aot import fast_paths
 
     monkeypatch.setattr(fast_paths, "FP8_MIN_FEATURES", 16)
     passed = Decision("attention", "fa3" if fa3 else "sdpa", "auto: checks passed")
@@ -200,11 +202,10 @@ def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, 
     # row-wise FP8 really fails its trial here, as it does on sm_120.
     from torchao.quantization import Int8WeightOnlyConfig
 
-    import blocks
-    import compile
+    from aot import blocks, export
 
     capability_checks_pass(monkeypatch, fa3=False)
-    for module in (compile, blocks):
+    for module in (export, blocks):
         monkeypatch.setattr(module, "fp8_config", lambda g: Int8WeightOnlyConfig() if g == "tensor" else fp8_config(g))
     compiled = compile_blocks(load_tiny(), tiny_options(plan="9.0"))
     fp8 = compiled.decisions[2]

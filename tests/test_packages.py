@@ -21,10 +21,10 @@ from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-import packages
-from blocks import rel_error
-from compile import optimize_
-from packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
+from aot import packages
+from aot.blocks import rel_error
+from aot.optimize import optimize_
+from aot.packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "sdpa-float32-512-1536"  # attention sdpa, float32 weights, default sides: what the CPU compiles
@@ -64,15 +64,15 @@ def test_fresh_process_binds_saved_packages_without_compiling(saved, tmp_path, e
     script = f"""
 import sys, numpy as np, torch
 sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
-import compile
+from aot import export, optimize, pipeline
 def refuse(*args, **kwargs):
     raise AssertionError("compiled although packages were saved")
-compile.export_block = compile.compile_package = compile.compile_blocks = refuse
+export.export_block = export.compile_package = export.compile_blocks = optimize.compile_blocks = refuse
 from conftest import generate, tiny_options
 from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 options = tiny_options(load={str(saved)!r}, strict=True)
-pipe = compile.load_pipeline(options)
-report = compile.optimize_(pipe, options)
+pipe = pipeline.load_pipeline(options)
+report = optimize.optimize_(pipe, options)
 print(report.source)
 np.save({str(tmp_path / "image.npy")!r}, generate(pipe, 768, 512).numpy())
 print("ISA probes:", valid_vec_isa_list.cache_info().misses)  # a warm start needs none (blocks.load_runner)
@@ -304,7 +304,7 @@ def test_interrupted_save_leaves_the_previous_packages_usable(saved, copy, compi
     script = f"""
 import os, pickle, sys
 sys.path.insert(0, {str(ROOT)!r})
-import packages
+from aot import packages
 write = packages._write
 packages._write = lambda path, data: os._exit(9) if path.name.startswith("config") else write(path, data)
 packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
@@ -389,7 +389,7 @@ def test_a_read_only_folder_is_refused_without_leftovers(saved, compiled, copy, 
     script = f"""
 import pickle, sys
 sys.path.insert(0, {str(ROOT)!r})
-import packages
+from aot import packages
 try:
     packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
 except RuntimeError as exc:
@@ -477,7 +477,7 @@ import logging, sys
 from pathlib import Path
 sys.path.insert(0, {str(ROOT)!r})
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
-import packages
+from aot import packages
 packages._tidy(Path({str(folder)!r}))
 """
     command = [sys.executable, "-c", script]

@@ -9,7 +9,7 @@ from conftest import TINY, Server, tiny_options
 from gradio_client import Client
 from PIL import Image
 
-import replicas
+from aot import replicas
 
 
 @pytest.fixture(scope="module")

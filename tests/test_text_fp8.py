@@ -8,9 +8,9 @@ import torch
 from conftest import ROOT, generate, load_tiny
 from diffusers import DiffusionPipeline
 
-import text_fp8
-from blocks import rel_error, tensor_bytes
-from text_fp8 import TextFP8, apply_, is_fp8, quantize_encoder_, text_encoders, trial_
+from aot import text_fp8
+from aot.blocks import rel_error, tensor_bytes
+from aot.text_fp8 import TextFP8, apply_, is_fp8, quantize_encoder_, text_encoders, trial_
 
 PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # tiny-flux's image (256x256, 2 steps, values in [0, 1]) with both encoders in FP8 vs eager: measured

@@ -25,9 +25,9 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 from PIL import Image
 
-from blocks import OWNER_MARK, load_runner, remove_stale_extractions
-from packages import save_packages
-from zerogpu import LARGE_MAX_BYTES, size_advice, weight_bytes
+from aot.blocks import OWNER_MARK, load_runner, remove_stale_extractions
+from aot.packages import save_packages
+from aot.zerogpu import LARGE_MAX_BYTES, size_advice, weight_bytes
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
 # so the worker's images can be compared with an eager float32 pipeline here.
@@ -268,7 +268,7 @@ def test_package_folders_left_by_a_killed_process_are_removed(compiled, tmp_path
     script = f"""
 import os, signal, sys
 sys.path.insert(0, {str(ROOT)!r})
-from blocks import load_runner
+from aot.blocks import load_runner
 runner = load_runner(open({str(package)!r}, "rb").read())
 print(os.getpid(), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

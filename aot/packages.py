@@ -41,9 +41,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
-from fast_paths import FA3_KERNEL_VERSION, Decision, attention_steps, fp8_steps, one_line, resolve_plan
-from options import Options, Resolution
+from aot.blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
+from aot.fast_paths import FA3_KERNEL_VERSION, Decision, attention_steps, fp8_steps, one_line, resolve_plan
+from aot.options import Options, Resolution
 
 log = logging.getLogger("packages")
 # 3: contracts give each dynamic dim as image and text coefficients (blocks.TensorSpec); 4: fp8 is the

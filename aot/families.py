@@ -33,7 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 if TYPE_CHECKING:
-    from options import Resolution
+    from aot.options import Resolution
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fast_paths import Decision, fp8_config, load_fa3, quantize_block_
-from options import Resolution
+from aot.fast_paths import Decision, fp8_config, load_fa3, quantize_block_
+from aot.options import Resolution
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 

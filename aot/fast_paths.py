@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from options import Options
+from aot.options import Options
 
 # An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
 # in bf16 (FP8 has 3 mantissa bits: a few percent is its normal cost; NaN or noise is far above).
@@ -190,7 +190,7 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
         RuntimeError: the message the full decision would give later.
         ValueError: a forced `plan` that no row of `PLANS` covers.
     """
-    from zerogpu import ON_ZEROGPU
+    from aot.zerogpu import ON_ZEROGPU
 
     forced_plan(options)  # a capability no row covers raises now, not in the GPU call
     emulated = device.type == "cuda" and ON_ZEROGPU

@@ -225,7 +225,7 @@ class Options:
             raise ValueError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if not re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", self.devices):
             raise ValueError(f"devices={self.devices!r}: use auto or a comma-separated list of cpu, cuda, cuda:N")
-        from lora import parse
+        from aot.lora import parse
 
         parse(self.lora), parse(self.lora_choices)  # raises ValueError naming the item and the syntax
         if self.push and not self.save:
@@ -248,14 +248,16 @@ def stops_in_one_line(parser: argparse.ArgumentParser, enabled: bool = True) -> 
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
-        ours = tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().parent == HERE
+        ours = tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().parent in OURS
         if not enabled or not ours or getattr(exc, "__notes__", None):
             raise
         parser.exit(2, f"{parser.prog}: error: {' '.join(str(exc).split())}\n")
 
 
-# The template's own modules: errors raised here are its checks (`stops_in_one_line`).
+# The template's own folders (the engine and the entry points above it): errors raised in their
+# modules are its checks (`stops_in_one_line`).
 HERE = Path(__file__).resolve().parent
+OURS = (HERE, HERE.parent)
 
 
 def _parse_env(f: dataclasses.Field, raw: str) -> Any:

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-import lora
-from blocks import Compiled, Report
-from compile import load_pipeline, optimize_
-from fast_paths import fp8_config
-from options import Options
+from aot import lora
+from aot.blocks import Compiled, Report
+from aot.fast_paths import fp8_config
+from aot.optimize import optimize_
+from aot.options import Options
+from aot.pipeline import load_pipeline
 
 log = logging.getLogger("replicas")
 
@@ -37,7 +38,7 @@ def devices(options: Options) -> list[str]:
     """The devices to serve from: `options.devices` as a list, or for `auto` every visible CUDA GPU
     (`options.device` alone when it names one, or without CUDA). On ZeroGPU `options.device` alone:
     `options.devices` is ignored there (each GPU call's worker gets one GPU; `Replicas.take`)."""
-    from zerogpu import ON_ZEROGPU
+    from aot.zerogpu import ON_ZEROGPU
 
     if ON_ZEROGPU:
         return [options.device]
@@ -66,7 +67,7 @@ class Replicas:
     may run at once; `zerogpu` says the pipelines are served by ZeroGPU's forked workers."""
 
     def __init__(self, pipes: list[Any], reports: list[Report | None], adapters: list[lora.Adapters]):
-        from zerogpu import ON_ZEROGPU
+        from aot.zerogpu import ON_ZEROGPU
 
         self.pipes, self.reports, self.adapters = pipes, reports, adapters
         self.zerogpu = ON_ZEROGPU

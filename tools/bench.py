@@ -56,13 +56,21 @@ from pathlib import Path
 
 import torch
 
-from blocks import forward_signature, probe_cpu_isa_in_background, rel_error, repeated_blocks, wait_for_cpu_isa_probe
-from compile import capture, capture_blocks, load_pipeline, optimize_
-from families import family
-from graphs import graph_step_
-from options import Options
+from aot.blocks import (
+    forward_signature,
+    probe_cpu_isa_in_background,
+    rel_error,
+    repeated_blocks,
+    wait_for_cpu_isa_probe,
+)
+from aot.export import capture, capture_blocks
+from aot.families import family
+from aot.graphs import graph_step_
+from aot.optimize import optimize_
+from aot.options import Options
+from aot.pipeline import load_pipeline
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 # FLUX.1-dev's published configs (black-forest-labs/FLUX.1-dev, */config.json), weights random; its
 # transformer's is `published_transformer("flux")`.
 CLIP = dict(
@@ -481,7 +489,7 @@ def warm_start(args) -> dict:
     import gradio  # noqa: F401  (library imports are not part of the warm start)
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    import replicas
+    from aot import replicas
 
     packages = str(Path(args.work) / "packages")
     pipe = build(args, load=packages)
@@ -543,8 +551,8 @@ def lora_switching(args) -> dict:
     """A rank-16 LoRA switched per request on the template's default path (every fast path auto,
     CUDA graphs): its latents against eager + the same LoRA through peft, the step with and without
     it, and the seconds `lora.Adapters.use` takes (the first switch copies the base)."""
-    import lora
-    from fast_paths import fp8_config
+    from aot import lora
+    from aot.fast_paths import fp8_config
 
     work = Path(args.work)
     pipe = build(args)
@@ -598,8 +606,7 @@ def zerogpu_start(args, name: str) -> dict:
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
 
-    import replicas
-    import zerogpu
+    from aot import replicas, zerogpu
 
     calls = Path(args.work) / f"{name}-calls.log"  # workers fork after this: they inherit the handler
     handler = logging.FileHandler(calls)
@@ -684,12 +691,13 @@ def run_group(names: list[str], args, logs: Path) -> list[dict]:
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
         "TRITON_CACHE_DIR": str(caches / "triton"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # the engine, aot/
     }
-    cmd = [sys.executable, __file__, "--worker", ",".join(names), *_shared_flags(args)]
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--worker", ",".join(names), *_shared_flags(args)]
     if names[0] in ZEROGPU:  # the Space's main process in ZeroGPU mode, the device API beside it
         env["GRADIO_SERVER_PORT"] = str(_free_port())
         env["AOT_COMPILE"] = str(int(names[0] == "zerogpu"))
-        harness = [str(ROOT / "zerogpu_harness.py"), "--port", str(_free_port())]
+        harness = [str(ROOT / "tools" / "zerogpu_harness.py"), "--port", str(_free_port())]
         if not torch.cuda.is_available():
             harness.append("--cpu")  # a smoke run on a machine without a GPU
         cmd = [sys.executable, *harness, *cmd[1:]]

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from blocks import tensor_bytes
-from fast_paths import FP8_MAX_REL_ERROR, Decision, brief
-from zerogpu import ON_ZEROGPU
+from aot.blocks import tensor_bytes
+from aot.fast_paths import FP8_MAX_REL_ERROR, Decision, brief
+from aot.zerogpu import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
 # output, logits); above this `auto` restores it. The blocks' bound: the same FP8 format, measured
@@ -277,7 +277,7 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
 def _trial_one_(
     pipe: Any, name: str, encoder: torch.nn.Module, prompt: str, option: str, max_rel_error: float
 ) -> EncoderTrial:
-    from blocks import rel_error
+    from aot.blocks import rel_error
 
     before = tensor_bytes(encoder)
     eligible, kept, already = _plan(encoder)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from blocks import COSTS, forward_signature, rel_error
+from aot.blocks import COSTS, forward_signature, rel_error
 
 log = logging.getLogger("graphs")
 

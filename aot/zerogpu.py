@@ -140,7 +140,7 @@ def _logged(name: str):
     seconds from asking for the GPU to the call (a new worker's includes moving the weights), the
     call's seconds and what compiled blocks spent in it (`blocks.COSTS`: package loads, binds,
     CUDA graph captures). bench.py's zerogpu rows read these lines."""
-    from blocks import COSTS
+    from aot.blocks import COSTS
 
     global _calls
     new, waited = _calls == 0, time.time() - _asked.get(time.time())
@@ -161,7 +161,7 @@ def weight_bytes(pipe: Any) -> int:
     its inner tensors (torchao's FP8: one byte a value plus its scales)."""
     import torch
 
-    from blocks import tensor_bytes
+    from aot.blocks import tensor_bytes
 
     return sum(tensor_bytes(c) for c in pipe.components.values() if isinstance(c, torch.nn.Module))
 

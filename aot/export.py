@@ -1,0 +1,365 @@
+"""capture -> export -> compile: one weights-less AOTInductor package per repeated block class.
+
+`compile_blocks(pipe)` walks the GPU's plan (`fast_paths.PLANS`): each attention kernel and FP8
+granularity is a trial (export, compile, load, parity against eager) that falls back to the next
+with its reason; only the plain bf16 SDPA block has no fallback.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+from aot.blocks import (
+    BlockPackage,
+    Call,
+    Compiled,
+    Contract,
+    bind,
+    contract_from_captures,
+    forward_signature,
+    probe_cpu_isa_in_background,
+    rel_error,
+    repeated_blocks,
+)
+from aot.families import family
+from aot.fast_paths import (
+    FP8_MAX_REL_ERROR,
+    FP8_MIN_FEATURES,
+    Decision,
+    attention_steps,
+    brief,
+    fp8_config,
+    fp8_steps,
+    quantize_block_,
+    resolve_plan,
+)
+from aot.options import Options
+from aot.packages import fingerprint
+
+log = logging.getLogger("compile")
+
+
+# Inputs are captured at this size (the shape hint Inductor tunes for; FLUX.1-dev's default size)
+# and once more at the smallest size, to find which input dimensions follow the image-token count.
+CAPTURE_SIZE = (1024, 1024)
+# A second capture prompt for families whose text length follows the prompt (families.py): longer
+# than "capture" by far more than any padding step, far shorter than max_sequence_length.
+LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
+# The key under which `compile_blocks` captures the transformer's own call (beside its blocks').
+TRANSFORMER = "<transformer>"
+# Inductor settings for every package. Weights stay out of the package: each block binds its own.
+INDUCTOR_CONFIGS: dict[str, Any] = {
+    "aot_inductor.package_constants_in_so": False,
+    # Store a pointwise result that is read more than once when it takes more than 16 ops,
+    # instead of recomputing it in every kernel that reads it (Inductor's GPU default: 30). In
+    # FLUX's single block the FP8 input of proj_out, cat(attention, gelu_tanh(mlp)), is read by the
+    # row-amax and by the cast: one kernel instead of three, 1.709 -> 1.600 ms per FP8 block on the
+    # H200 (BENCHMARKS.md).
+    "realize_opcount_threshold": 16,
+}
+# Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
+# packages land far below; a larger error means the package computes something else.
+MAX_REL_ERROR = 1e-2
+# Largest transformer `load_pipeline` runs on a CPU: FLUX.1-dev (12B) would need ~48 GB in float32
+
+
+@contextlib.contextmanager
+def capture(modules: dict[str, torch.nn.Module]):
+    """Record the first call's inputs of each module while the block runs as usual.
+
+    Yields a dict filled in as the modules are called: name -> (args, kwargs), args bound to
+    keyword names by the module's forward signature.
+    """
+    calls: dict[str, Call] = {}
+    handles = []
+    for name, module in modules.items():
+
+        def record(module, args, kwargs, name=name):
+            if name not in calls:
+                calls[name] = ((), dict(forward_signature(module).bind(*args, **kwargs).arguments))
+
+        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def capture_blocks(
+    pipe: Any, modules: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = "capture"
+) -> list[dict[str, Call]]:
+    """Capture the first call's inputs of every module (block groups' first blocks, the transformer)
+    from one real pipeline call per size.
+
+    Each call is the one the app makes (`families.Family.call`: keyword arguments, the family's
+    text length, guidance where the model takes it, an input image of the output size for an edit
+    family), with the family's `capture_steps`, stopped at latents.
+
+    Raises:
+        RuntimeError: a module was not called by the pipeline.
+    """
+    row = family(type(pipe).__name__)
+    captured = []
+    for height, width in sizes:
+        with capture(modules) as calls:
+            pipe(**row.capture_call(pipe, prompt, height, width), output_type="latent")
+        missing = sorted(set(modules) - set(calls))
+        if missing:
+            raise RuntimeError(f"the pipeline call at {height}x{width} never called {', '.join(missing)}")
+        captured.append(calls)
+    return captured
+
+
+def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The `dynamic_shapes` spec for `torch.export.export`, covering every captured kwarg.
+
+    One `Dim` per form of `blocks.TensorSpec`: `image_tokens` (I) and `text_tokens` (L), ranged by
+    the contract; a dim `a * I + c` is derived from I (likewise for L). A dim following both, `a * I
+    + b * L + c` (Z-Image's joint sequence), gets its own `Dim` over `a * I + b * L`: export takes
+    derived dims of one root only.
+    """
+    roots: dict[tuple[int, int], Dim] = {}
+
+    def root(form: tuple[int, int]) -> Dim:
+        if form not in roots:
+            name = {(1, 0): "image_tokens", (0, 1): "text_tokens"}.get(form, f"tokens_{form[0]}i_{form[1]}t")
+            lo, hi = contract.form_range(form)
+            roots[form] = Dim(name, min=lo, max=hi)
+        return roots[form]
+
+    specs = iter(contract.tensors)
+
+    def dims(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        spec = next(specs)
+        dynamic = {}
+        for d, (size, off) in enumerate(zip(spec.shape, spec.offsets, strict=True)):
+            if size is not None:
+                continue
+            a, b = spec.form(d)
+            if a and b:
+                dim = root((a, b))
+            else:
+                dim = root((1, 0) if a else (0, 1))
+                dim = dim * (a or b) if (a or b) != 1 else dim
+            dynamic[d] = dim + off if off else dim
+        return dynamic or None
+
+    return pytree.tree_map(dims, kwargs)
+
+
+def export_block(block: torch.nn.Module, kwargs: dict[str, Any], contract: Contract) -> torch.export.ExportedProgram:
+    """`torch.export` one block on its captured inputs, with the image-token dim dynamic."""
+    with torch.no_grad():
+        return torch.export.export(block, args=(), kwargs=kwargs, dynamic_shapes=dynamic_shapes(contract, kwargs))
+
+
+def compile_package(exported: torch.export.ExportedProgram) -> bytes:
+    """AOTInductor-compile `exported` into a weights-less `.pt2` package; returns its bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "package.pt2")
+        torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=INDUCTOR_CONFIGS)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
+    """Capture, export and compile one package per repeated block class of `pipe.transformer`.
+
+    Leaves `pipe` as it was (FP8 is tried on a copy of one block). Runs on the GPU the pipeline is
+    on: on ZeroGPU, inside the worker (`optimize_` calls it through `zerogpu.gpu`).
+
+    Raises:
+        ValueError: no repeated blocks, or inputs the shape rule cannot describe.
+        RuntimeError: a fast path was explicitly requested but cannot run, or a compiled bf16
+            SDPA block does not match its eager block.
+    """
+    options = options or Options()
+    transformer = pipe.transformer
+    blocks = repeated_blocks(transformer)
+    resolution = options.resolution(pipe.vae_scale_factor)
+    plan, planned = resolve_plan(options, transformer.device)
+    kernels, skipped = attention_steps(options, plan, transformer, transformer.device)
+    granularities, fp8_off = fp8_steps(options, plan, transformer.device)
+    log.info("%s", planned)
+
+    if resolution.min_side == resolution.max_side:
+        raise ValueError(
+            f"sides {resolution.min_side}..{resolution.max_side} px: give two sizes (min_side < max_side); "
+            "the captures at both ends find which block inputs follow the image size"
+        )
+    capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
+    sizes = [capture_size, (resolution.min_side, resolution.min_side)]
+    if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
+        sizes[1] = (resolution.max_side, resolution.max_side)
+    firsts = {name: found[0] for name, found in blocks.items()}
+    row = family(type(pipe).__name__)
+    modules = {**firsts, TRANSFORMER: transformer}
+    captures = capture_blocks(pipe, modules, sizes)
+    if row.text_rule == "prompt":
+        captures += capture_blocks(pipe, modules, sizes[:1], LONG_PROMPT)
+        sizes = [*sizes, sizes[0]]
+    references = row.images[0] - 1  # captures have an input image only where one is required
+    points = [
+        (row.image_tokens(resolution, *size, references), row.text_tokens_of(c[TRANSFORMER][1]))
+        for size, c in zip(sizes, captures, strict=True)
+    ]
+    probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
+    image_range = row.image_range(resolution)
+    classes = {}
+    for name, block in firsts.items():
+        calls = [c[name] for c in captures]
+        kwargs = calls[0][1]
+        with torch.no_grad():
+            reference = block(**kwargs)
+        contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
+        classes[name] = (block, kwargs, contract, reference)
+
+    walked = list(skipped)
+    for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
+        try:
+            packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
+            break
+        except Exception as exc:
+            if kernel == kernels[-1]:
+                raise
+            walked.append(f"{kernel} failed its trial ({brief(exc)})")
+            log.warning("attention: %s", walked[-1])
+    origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
+    attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
+    origin = f"plan {plan.name}" if options.fp8_granularity == "auto" else f"fp8_granularity={options.fp8_granularity}"
+    fp8 = Decision("fp8", granularity or "off", f"{origin}: " + " -> ".join(fp8_walk) if granularities else fp8_off)
+    log.info("%s", attention)
+    log.info("%s", fp8)
+    valid_for = fingerprint(transformer, resolution, attention, fp8, options)
+    valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
+    fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
+    return Compiled(packages, [planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
+
+
+def _compile_classes(
+    classes: dict[str, tuple[torch.nn.Module, dict[str, Any], Contract, Any]],
+    attention: str,
+    granularities: list[str],
+    options: Options,
+) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
+    """One package per class with `attention`; FP8 at the first of `granularities` whose trial runs.
+
+    The granularities are walked in order. One whose FP8 block fails to export, compile, load or
+    run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
+    class whose FP8 block runs but differs from eager by more than `FP8_MAX_REL_ERROR` stays in bf16
+    (`fp8=auto`). Returns the packages, the granularity they use (None: all bf16), and the walk: a
+    note per step, ending in "bf16" where no granularity was kept.
+
+    Raises:
+        RuntimeError: a bf16 package differs from its eager block by more than `MAX_REL_ERROR`.
+        Exception: what the bf16 export or compile raised (the caller falls back to the next
+            attention kernel), or, with `fp8=on`, what the last granularity's trial raised.
+    """
+    plain: dict[str, BlockPackage] = {}
+
+    def bf16(name: str) -> BlockPackage:
+        if name not in plain:
+            block, kwargs, contract, reference = classes[name]
+            package = _compile_class(name, block, kwargs, contract, attention, reference, fp8=None)
+            if not package.rel_error <= MAX_REL_ERROR:
+                raise RuntimeError(
+                    f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
+                    f"above {MAX_REL_ERROR:.0e}"
+                )
+            plain[name] = package
+        return plain[name]
+
+    walk = []
+    for granularity in granularities:
+        fp8, notes = {}, []
+        try:
+            for name, (block, kwargs, contract, reference) in classes.items():
+                quantized = copy.deepcopy(block)
+                counts = quantize_block_(quantized, fp8_config(granularity))
+                if counts[0] == 0:
+                    notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
+                    continue
+                package = _compile_class(name, quantized, kwargs, contract, attention, reference, fp8=granularity)
+                note = f"{name} {counts[0]} layers FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
+                if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
+                    note += f" > {FP8_MAX_REL_ERROR:.0e}: bf16"
+                else:
+                    fp8[name] = package
+                notes.append(note)
+        except Exception as exc:
+            if options.fp8 != "auto" and granularity == granularities[-1]:
+                raise
+            walk.append(f"{granularity} failed its trial ({name}: {brief(exc)})")
+            log.warning("fp8: %s", walk[-1])
+            continue
+        finally:
+            quantized = None
+        walk.append(f"{granularity}: " + "; ".join(notes))
+        if fp8:
+            return {name: fp8.get(name) or bf16(name) for name in classes}, granularity, walk
+    return {name: bf16(name) for name in classes}, None, walk + ["bf16"] * bool(granularities)
+
+
+
+def _compile_class(
+    name: str,
+    block: torch.nn.Module,
+    kwargs: dict[str, Any],
+    contract: Contract,
+    attention: str,
+    reference: Any,
+    fp8: str | None,
+) -> BlockPackage:
+    """Export and compile `block` (FP8-quantized at granularity `fp8`, or None) under `attention`
+    ("fa3" or "sdpa"), then run the package once against the eager `reference`."""
+    from diffusers.models.attention_dispatch import attention_backend
+
+    start = time.perf_counter()
+    with attention_backend("_flash_3" if attention == "fa3" else "native"):
+        exported = export_block(block, kwargs, contract)
+    export_s = time.perf_counter() - start
+    if attention == "fa3":
+        op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
+        if not any(node.target is op for node in exported.graph.nodes):
+            raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")
+    start = time.perf_counter()
+    package = compile_package(exported)
+    compile_s = time.perf_counter() - start
+    runner, constants = bind(package, block)
+    with torch.no_grad():
+        error = rel_error(runner(**kwargs), reference)
+    log.info(
+        "%s: exported in %.1fs, compiled in %.1fs, %d bytes, rel. error %.1e",
+        name,
+        export_s,
+        compile_s,
+        len(package),
+        error,
+    )
+    return BlockPackage(
+        block=name,
+        package=package,
+        contract=contract,
+        constants={n: (tuple(t.shape), t.dtype) for n, t in constants.items()},
+        fp8=fp8,
+        export_s=export_s,
+        compile_s=compile_s,
+        rel_error=error,
+    )
+
+
