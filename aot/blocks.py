@@ -442,12 +442,28 @@ def remove_stale_extractions() -> list[Path]:
     leaves an unmarked folder, which stays.
     """
     removed = []
-    for mark in EXTRACT_ROOT.glob(f"*/{OWNER_MARK}*"):
+    for mark in _owner_marks():
         pid = mark.name.removeprefix(OWNER_MARK)
         if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(mark.parent, ignore_errors=True)
             removed.append(mark.parent)
     return removed
+
+
+def _owner_marks() -> list[Path]:
+    """The owner marks under /tmp's folders. Other processes (another worker sweeping, any program
+    cleaning its temporary folder) remove folders while this looks: a folder gone is skipped
+    (`Path.glob` raised FileNotFoundError on one that vanished between listing and reading it)."""
+    marks = []
+    with os.scandir(EXTRACT_ROOT) as entries:
+        folders = [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+    for folder in folders:
+        try:
+            with os.scandir(folder) as entries:
+                marks += [Path(entry.path) for entry in entries if entry.name.startswith(OWNER_MARK)]
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+    return marks
 
 
 def process_alive(pid: int) -> bool:

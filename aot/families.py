@@ -61,6 +61,8 @@ class Family:
     text_extra: text tokens beyond `max_sequence_length` (Qwen-Image-Edit's text holds the
         reference's vision tokens: (H/28)*(W/28) of its ~1 MP, at most 1.4k).
     sequence_multiple: the transformer pads image and text tokens to a multiple of this (Z-Image: 32).
+    controls: fields of app.py's `Request` beyond the common ones that this pipeline takes as call
+        arguments of the same name (the UI shows their widgets only for such a family).
     requires: Python modules the pipeline's components need beyond requirements.txt (FLUX.2 dev's
         Pixtral processor needs torchvision); `missing()` names those not installed.
     tokenizer: the pipeline attribute whose tokenizer counts the prompt against
@@ -89,6 +91,7 @@ class Family:
     text_extra: int = 0
     sequence_multiple: int = 1
     requires: tuple[str, ...] = ()
+    controls: tuple[str, ...] = ()
 
     @property
     def text_tokens(self) -> int:
@@ -164,19 +167,23 @@ class Family:
         """(steps, guidance) the UI starts with for `pipe`."""
         return (self.steps, self.guidance) if self.guided(pipe) else (self.unguided_steps, 0.0)
 
-    def call(
-        self, pipe: Any, prompt: str, height: int, width: int, steps: int, guidance: float, image: Any = None
-    ) -> dict[str, Any]:
-        """The keyword arguments of one pipeline call (all by keyword: edit pipelines take `image` first).
+    def call(self, pipe: Any, request: Any) -> dict[str, Any]:
+        """The keyword arguments of one pipeline call for `request` (all by keyword: edit pipelines
+        take `image` first). `request` has app.py's `Request` fields: prompt, height, width,
+        num_inference_steps, guidance_scale, image, and those this row's `controls` name, each
+        passed on under its own name unless empty (the row's `call_kwargs` value stays then).
 
-        `image` (a PIL image) is resized to `width` x `height` here, so its tokens follow the output's.
+        `request.image` (a PIL image) is resized to width x height here, so its tokens follow the output's.
 
         Raises:
             ValueError: an edit family without an image, or an image for a text-to-image family.
         """
-        kwargs = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": steps, **self.call_kwargs}
+        height, width, image = request.height, request.width, request.image
+        kwargs = {"prompt": request.prompt, "height": height, "width": width, **self.call_kwargs}
+        kwargs["num_inference_steps"] = request.num_inference_steps
+        kwargs.update({name: v for name in self.controls if (v := getattr(request, name, None)) not in (None, "")})
         if self.guided(pipe):
-            kwargs[self.guidance_kwarg] = guidance
+            kwargs[self.guidance_kwarg] = request.guidance_scale
         if self.image_input == "required" or (self.image_input == "optional" and image is not None):
             if image is None:
                 raise ValueError(f"{self.label} ({self.pipeline}) edits an image: give an input image")
@@ -206,7 +213,21 @@ class Family:
             pixels = torch.arange(height * width * 3, dtype=torch.int64).reshape(height, width, 3) % 251
             image = Image.fromarray(pixels.to(torch.uint8).numpy())
         steps = self.capture_steps if steps is None else steps
-        return self.call(pipe, prompt, height, width, steps, self.defaults(pipe)[1], image)
+        request = Call(prompt, height, width, steps, self.defaults(pipe)[1], image)
+        return self.call(pipe, request)
+
+
+@dataclass(frozen=True)
+class Call:
+    """The request a capture or benchmark call stands for (`Family.capture_call`): the fields every
+    family reads; a family's `controls` keep their `call_kwargs` defaults."""
+
+    prompt: str
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    image: Any = None
 
 
 def _qwen_edit_reference(height: int, width: int) -> tuple[int, int]:

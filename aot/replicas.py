@@ -113,22 +113,24 @@ class Replicas:
             self._free.put(index)
 
 
-def start(options: Options) -> Replicas:
-    """Load one pipeline per device and, with `options.compile`, optimize each (`compile.optimize_`):
+def start(options: Options, pipe: Any = None) -> Replicas:
+    """Load one pipeline per device and, with `options.compile`, optimize each (`optimize.optimize_`):
     the first of each GPU model loads or compiles packages, the others bind them. Each pipeline
-    gets the LoRAs of `options.lora_choices` as `lora.Adapters`.
+    gets the LoRAs of `options.lora_choices` as `lora.Adapters`. With `pipe` (a tool's own
+    pipeline, e.g. tools/bench.py's random FLUX.1-dev) that one pipeline is the only replica.
 
     Raises:
-        RuntimeError, ValueError, OSError: see `compile.load_pipeline`, `compile.optimize_` and
+        RuntimeError, ValueError, OSError: see `pipeline.load_pipeline`, `optimize.optimize_` and
             `lora.read`.
     """
-    chosen = devices(options)
+    given = pipe
+    chosen = devices(options) if given is None else [options.device]
     choices = lora.parse(options.lora_choices)
     pipes, reports, adapters = [], [], []
     compiled: dict[str, Compiled] = {}  # GPU model -> packages
     for device in chosen:
         replica = dataclasses.replace(options, device=device, devices="auto")
-        pipe = load_pipeline(replica)
+        pipe = load_pipeline(replica) if given is None else given
         report = None
         if options.compile:
             model = gpu_model(device) if len(chosen) > 1 else ""  # one replica: no CUDA query (ZeroGPU)

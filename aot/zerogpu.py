@@ -137,7 +137,7 @@ _calls = 0
 @contextlib.contextmanager
 def _logged(name: str):
     """Log one `zerogpu-call {json}` line per call in a worker: whether the worker is new, the
-    seconds from asking for the GPU to the call (a new worker's includes moving the weights), the
+    seconds from asking for the GPU to the call (a new worker's, which includes moving the weights), the
     call's seconds and what compiled blocks spent in it (`blocks.COSTS`: package loads, binds,
     CUDA graph captures). bench.py's zerogpu rows read these lines."""
     from aot.blocks import COSTS
@@ -150,7 +150,10 @@ def _logged(name: str):
     finally:
         _calls += 1
         spent = {k: round(v - getattr(before, k), 4) for k, v in dataclasses.asdict(COSTS).items()}
-        line = {"fn": name, "pid": os.getpid(), "new_worker": new, "call": _calls, "wait_s": round(waited, 3)}
+        # A reused worker runs each call under a copy of its forking thread's context: the ask it
+        # sees is its first call's, so only a new worker's wait is known.
+        wait = round(waited, 3) if new else None
+        line = {"fn": name, "pid": os.getpid(), "new_worker": new, "call": _calls, "wait_s": wait}
         line.update(call_s=round(time.perf_counter() - start, 3), **spent)
         log.info("zerogpu-call %s", json.dumps(line))
 

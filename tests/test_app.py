@@ -213,7 +213,10 @@ def test_two_simultaneous_requests_both_complete(client, server):
 
 def test_eager_switch_serves_the_uncompiled_pipeline():
     env = {**os.environ, "MODEL_ID": TINY, "AOT_COMPILE": "0"}
-    code = "import json, app; print(json.dumps([app.STATUS, app.generate('a cat', 1, False, 512, 512, 1, 3.5)[1]]))"
+    code = (
+        "import json, app; from aot.options import Options; space = app.start(Options.from_env()); "
+        "print(json.dumps([space.status, app.generate('a cat', 1, False, 512, 512, 1, 3.5)[1]]))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     status, seed = json.loads(done.stdout.strip().splitlines()[-1])
@@ -281,3 +284,12 @@ def test_browser_types_a_prompt_clicks_generate_and_sees_the_image(server, tmp_p
         folder = ROOT / "docs" if os.environ.get("UPDATE_SCREENSHOT") else tmp_path
         page.screenshot(path=str(folder / "screenshot.png"), full_page=True)
         browser.close()
+
+
+def test_importing_app_starts_nothing():
+    # Before: `import app` loaded the pipeline and compiled it; tools replaced the loader to hand in their own.
+    code = "import app, logging; logging.basicConfig(level=logging.INFO); print(app.SPACE is None)"
+    env = {**os.environ, "MODEL_ID": "no/such-model"}  # loading it would fail: nothing may try
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "True" and "startup took" not in done.stderr, done.stderr[-3000:]

@@ -18,7 +18,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from aot.blocks import contract_from_captures, rel_error, repeated_blocks
-from aot.families import FAMILIES, family
+from aot.families import FAMILIES, Call, family
 from aot.optimize import optimize_
 from aot.options import Options, Resolution
 from aot.pipeline import load_pipeline
@@ -56,7 +56,7 @@ def images(
 ) -> torch.Tensor:
     row = family(type(pipe).__name__)
     image = input_image() if row.image_input == "required" or reference else None
-    call = row.call(pipe, prompt, height, width, steps, row.defaults(pipe)[1], image)
+    call = row.call(pipe, Call(prompt, height, width, steps, row.defaults(pipe)[1], image))
     return pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pt").images
 
 

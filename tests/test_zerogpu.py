@@ -6,10 +6,12 @@ and results are pickled, the weights are packed to disk at launch. The one stand
 driver for spaces' worker start) is `zerogpu_harness.use_cpu_worker`: the worker computes on the CPU.
 """
 
+import contextlib
 import glob
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -284,6 +286,32 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert not any(os.path.exists(p) for p in left)
     assert glob.glob(f"/tmp/*/{OWNER_MARK}{os.getpid()}"), "a living process's package was removed"
     del mine
+
+
+def test_the_sweep_skips_a_folder_another_process_removes_meanwhile(tmp_path, monkeypatch):
+    # Three workers loading at once: one swept /tmp while another's folder vanished, and glob raised
+    # FileNotFoundError into the request. Stand-in for the other process: after the sweep lists the
+    # folders, the first one is removed (os.scandir wrapped, here only); a dead owner's folder goes.
+    from aot import blocks
+
+    gone, stale = tmp_path / "gone", tmp_path / "stale"
+    for folder in (gone, stale):
+        folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (stale / f"{OWNER_MARK}{int(dead.stdout)}").touch()
+    monkeypatch.setattr(blocks, "EXTRACT_ROOT", tmp_path)
+    listing = os.scandir
+
+    def listed_then_removed(path):
+        if path != tmp_path:
+            return listing(path)
+        with listing(path) as found:
+            entries = list(found)
+        shutil.rmtree(gone)
+        return contextlib.nullcontext(entries)
+
+    monkeypatch.setattr(os, "scandir", listed_then_removed)
+    assert remove_stale_extractions() == [stale] and not stale.exists()
 
 
 @pytest.mark.parametrize(

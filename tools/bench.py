@@ -18,7 +18,7 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     peak GiB     peak allocated GPU memory during that generation
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
-`warm` is the Space itself: app.py imported with the packages `all` saved (AOT_LOAD), then
+`warm` is the Space itself: app.py started with the packages `all` saved (AOT_LOAD), then
 app.generate() on real prompts. `zerogpu` is the Space as ZeroGPU runs it, under
 zerogpu_harness.py (the real spaces package, forked GPU workers, weights packed to disk at launch):
 ready s is the startup compile in a worker plus applying its packages here; then /generate through
@@ -481,7 +481,7 @@ def worker(names: list[str], args) -> None:
 def warm_start(args) -> dict:
     """app.py as a Space starts it with saved packages (AOT_LOAD), then app.generate on real prompts.
 
-    load_s: `import app` once its libraries are imported: load and verify the packages, apply them
+    load_s: `app.start` once its libraries are imported: load and verify the packages, apply them
     to the blocks, build the UI. first_step_s: the first step at the bench size, which binds every
     block to its package (and captures the step's CUDA graph). ready_s: both. Loading the weights
     is not part of it; neither is the CPU ISA probe, which a warm start does not run (isa_probes).
@@ -489,16 +489,15 @@ def warm_start(args) -> dict:
     import gradio  # noqa: F401  (library imports are not part of the warm start)
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    from aot import replicas
+    import app
 
     packages = str(Path(args.work) / "packages")
     pipe = build(args, load=packages)
-    replicas.load_pipeline = lambda options: pipe  # app.py's own loader would download; this is the same pipeline
     os.environ.update(AOT_LOAD=packages, AOT_STRICT="1")
     row = {"scenario": "warm", "cold": None}
     start = time.perf_counter()
-    import app
-
+    space = app.start(Options.from_env(), pipe)
+    app.ui(space)
     row["load_s"] = time.perf_counter() - start
     first = time.perf_counter()
     pipe(PROMPTS[0], height=args.size, width=args.size, num_inference_steps=1, output_type="latent")
@@ -506,7 +505,7 @@ def warm_start(args) -> dict:
     row["first_step_s"] = time.perf_counter() - first
     row["ready_s"] = time.perf_counter() - start
     row["isa_probes"] = valid_vec_isa_list.cache_info().misses
-    row["decisions"] = [app.STATUS]
+    row["decisions"] = [space.status]
     kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
         row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
@@ -606,7 +605,7 @@ def zerogpu_start(args, name: str) -> dict:
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
 
-    from aot import replicas, zerogpu
+    from aot import zerogpu
 
     calls = Path(args.work) / f"{name}-calls.log"  # workers fork after this: they inherit the handler
     handler = logging.FileHandler(calls)
@@ -620,19 +619,20 @@ def zerogpu_start(args, name: str) -> dict:
     else:
         env = {**os.environ, "MODEL_ID": args.model, "AOT_COMPILE": str(int(name == "zerogpu"))}
         pipe = load_pipeline(Options.from_env(environ=env))
-    replicas.load_pipeline = lambda options: pipe  # app.py loads it no other way
     start = time.perf_counter()
     wait_for_cpu_isa_probe()
     row["isa_probe_s"] = time.perf_counter() - start
     start = time.perf_counter()
     import app
 
+    space = app.start(Options.from_env(), pipe)
+    demo = app.ui(space)
     row["ready_s"] = time.perf_counter() - start
-    row["decisions"] = [app.STATUS]
+    row["decisions"] = [space.status]
     row["moved_gb"] = zerogpu.weight_bytes(pipe) / 1e9
     port = int(os.environ["GRADIO_SERVER_PORT"])
     start = time.perf_counter()
-    app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
     row["launch_s"] = time.perf_counter() - start
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
