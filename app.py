@@ -49,6 +49,7 @@ class Request:
     guidance_scale: float = 3.5
     lora: str = "none"
     image: Image.Image | None = None
+    negative_prompt: str = ""
 
 
 SPACE: Space | None = None  # set by `start`
@@ -97,6 +98,13 @@ def ui(space: Space) -> gr.Blocks:
                 f"{MAX_IMAGE_PIXELS // 10**6} megapixels",
             )
             result = gr.Image(label="Result", format="png")
+        controls["negative_prompt"] = gr.Textbox(
+            value="",  # an initial value makes it optional for gradio_client (None would not)
+            label="Negative prompt",
+            placeholder="What the image should not show (optional)",
+            max_lines=2,
+            visible="negative_prompt" in family.controls,
+        )
         notes = gr.Markdown(label="notes")
         # The seed used goes to the API and into `notes`, not back into the Seed slider: outputs of a
         # refused request show an error badge, which on the slider read as "this seed is wrong".

@@ -259,7 +259,9 @@ FAMILIES: dict[str, Family] = {
             tokenizer="tokenizer_2",
         ),
         # Chroma: true classifier-free guidance (a second call with the negative prompt, same shapes).
-        Family("ChromaPipeline", "Chroma", "guidance_scale", 28, 4.0, tokenizer="tokenizer"),
+        Family(
+            "ChromaPipeline", "Chroma", "guidance_scale", 28, 4.0, tokenizer="tokenizer", controls=("negative_prompt",)
+        ),
         # FLUX.2 klein: step-distilled checkpoints set is_distilled and ignore guidance. FLUX.2 takes
         # an optional reference image (the pipeline shrinks one above 1 MP to 1 MP: still in range).
         Family(
@@ -284,6 +286,7 @@ FAMILIES: dict[str, Family] = {
             capture_steps=2,
             tokenizer="tokenizer",
             text_rule="prompt",
+            controls=("negative_prompt",),
         ),
         # Qwen-Image-Edit: the text encoder reads the prompt with the reference image (its vision
         # tokens join the text, which is not cut at max_sequence_length: a longer prompt is refused).

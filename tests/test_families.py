@@ -137,6 +137,15 @@ def test_space_serves_the_family_from_its_saved_packages(folder, saved, tmp_path
             input_image().save(image_path)
             path, _, _ = client.predict(*args, "none", handle_file(str(image_path)), api_name="/generate")
             assert np.asarray(Image.open(path)).shape == (256, 384, 3)
+        negative = [c for c in components if c["props"].get("label") == "Negative prompt"]
+        assert negative and negative[0]["props"]["visible"] == ("negative_prompt" in row.controls), negative
+        if "negative_prompt" in row.controls:  # Chroma, Qwen-Image: the pipeline gets it (true CFG)
+            other, _, _ = client.predict(*args, negative_prompt="blurry, low quality", api_name="/generate")
+            again, _, _ = client.predict(*args, api_name="/generate")  # the same seed repeats exactly
+            assert np.array_equal(np.asarray(Image.open(again)), np.asarray(Image.open(path)))
+            assert not np.array_equal(np.asarray(Image.open(other)), np.asarray(Image.open(path)))
+            with pytest.raises(Exception, match="The negative prompt has 10,001 characters; use at most 10,000"):
+                client.predict(*args, negative_prompt="x" * 10_001, api_name="/generate")
         assert "AoT loaded from" in app.text(), "the Space compiled instead of loading the saved packages"
     finally:
         app.stop()
