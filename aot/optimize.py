@@ -73,7 +73,7 @@ def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | No
     if options.save:
         save_packages(compiled, options.save)
         if options.push:
-            log.info("pushed packages to %s", push_packages(options.save, options.push))
+            log.info("pushed packages to %s", push_packages(options.save, options.push, options.model))
     return report
 
 
