@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from aot.blocks import COSTS, forward_signature, rel_error
+from aot.blocks import COSTS, forward_signature, patch_forward, rel_error
 
 log = logging.getLogger("graphs")
 
@@ -137,5 +137,5 @@ def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tu
 def graph_step_(transformer: torch.nn.Module, strict: bool = False) -> GraphedStep:
     """Patch `transformer.forward` in place to run through CUDA graphs; returns the patch."""
     graphed = GraphedStep(transformer, strict)
-    transformer.forward = graphed
+    patch_forward(transformer, graphed)
     return graphed
