@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -33,6 +33,27 @@ def forward_signature(module: torch.nn.Module) -> inspect.Signature:
     """The signature of the class's own `forward`, without `self` (also once `forward` is patched)."""
     signature = inspect.signature(type(module).forward)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def patch_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:
+    """Make `forward` what calling `module` runs: an instance attribute, in front of the class's own
+    `forward` (still `type(module).forward`, for the signature and the eager step)."""
+    module.forward = forward
+
+
+def patched_forward(module: torch.nn.Module, kind: type = object) -> Any:
+    """The forward `patch_forward` put on `module`, if it is a `kind`; else None."""
+    patch = module.__dict__.get("forward")
+    return patch if isinstance(patch, kind) else None
+
+
+def unpatch_forward(module: torch.nn.Module, kind: type = object) -> Any:
+    """Undo `patch_forward` where its patch is a `kind`: the class's `forward` runs again. Returns
+    the patch removed, or None."""
+    patch = patched_forward(module, kind)
+    if patch is not None:
+        del module.forward
+    return patch
 
 
 @dataclass(frozen=True)
@@ -732,9 +753,9 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
             check_constants(block, package, index)
         shared = SharedPackage(package, compiled.fa3_kernel)  # one load per class, not per block
         for block in found:
-            block.forward = CompiledBlock(block, shared)
+            patch_forward(block, CompiledBlock(block, shared))
         rows.append((package, len(found)))
-    patches = [m.forward for m in pipe.transformer.modules() if isinstance(m.__dict__.get("forward"), CompiledBlock)]
+    patches = [p for m in pipe.transformer.modules() if (p := patched_forward(m, CompiledBlock)) is not None]
     if hasattr(pipe.transformer, "_binding_check"):  # applied before: check the blocks patched now
         pipe.transformer._binding_check.remove()
     pipe.transformer._binding_check = pipe.transformer.register_forward_pre_hook(BindingCheck(patches))

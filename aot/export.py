@@ -54,8 +54,9 @@ log = logging.getLogger("compile")
 # Inputs are captured at this size (the shape hint Inductor tunes for; FLUX.1-dev's default size)
 # and once more at the smallest size, to find which input dimensions follow the image-token count.
 CAPTURE_SIZE = (1024, 1024)
-# A second capture prompt for families whose text length follows the prompt (families.py): longer
-# than "capture" by far more than any padding step, far shorter than max_sequence_length.
+# The capture calls' prompt, and a second one where the text length follows the prompt
+# (`Family.captures`): longer by far more than any padding step, far shorter than max_sequence_length.
+CAPTURE_PROMPT = "capture"
 LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # The key under which `compile_blocks` captures the transformer's own call (beside its blocks').
 TRANSFORMER = "<transformer>"
@@ -99,7 +100,7 @@ def capture(modules: dict[str, torch.nn.Module]):
 
 
 def capture_blocks(
-    pipe: Any, modules: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = "capture"
+    pipe: Any, modules: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = CAPTURE_PROMPT
 ) -> list[dict[str, Call]]:
     """Capture the first call's inputs of every module (block groups' first blocks, the transformer)
     from one real pipeline call per size.
@@ -209,14 +210,11 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     firsts = {name: found[0] for name, found in blocks.items()}
     row = family(type(pipe).__name__)
     modules = {**firsts, TRANSFORMER: transformer}
-    captures = capture_blocks(pipe, modules, sizes)
-    if row.text_rule == "prompt":
-        captures += capture_blocks(pipe, modules, sizes[:1], LONG_PROMPT)
-        sizes = [*sizes, sizes[0]]
-    references = row.images[0] - 1  # captures have an input image only where one is required
+    wanted = row.captures(sizes, CAPTURE_PROMPT, LONG_PROMPT)
+    captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt)]
     points = [
-        (row.image_tokens(resolution, *size, references), row.text_tokens_of(c[TRANSFORMER][1]))
-        for size, c in zip(sizes, captures, strict=True)
+        (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
+        for (size, _), c in zip(wanted, captures, strict=True)
     ]
     probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
     image_range = row.image_range(resolution)

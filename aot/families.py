@@ -20,6 +20,9 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
 * a block input dim is `a * I + b * L + c` (blocks.contract_from_captures): Z-Image's main blocks
   see image and text tokens in one sequence (a = b = 1).
 
+What differs by family in the models' configs is read here too: the VAE's downsampling
+(`vae_scale_factor`) and the attention head dim (`attention_head_dim`).
+
     >>> family("FluxPipeline").image_input
     'none'
 """
@@ -135,6 +138,22 @@ class Family:
             min(self.image_tokens(resolution, h, w, fewest - 1) for h, w in sizes),
             max(self.image_tokens(resolution, h, w, most - 1) for h, w in sizes),
         )
+
+    @property
+    def capture_references(self) -> int:
+        """Input images in a capture call (`capture_call` without `reference`): one where one is required."""
+        return self.images[0] - 1
+
+    def captures(
+        self, sizes: list[tuple[int, int]], prompt: str, long_prompt: str
+    ) -> list[tuple[tuple[int, int], str]]:
+        """(size, prompt) of each capture call a compile needs: `prompt` at every size of `sizes`,
+        then, where the text length follows the prompt, `long_prompt` at the first size (a capture
+        that differs in text tokens only: L is a dynamic dimension, `blocks.contract_from_captures`)."""
+        calls = [(size, prompt) for size in sizes]
+        if self.text_rule == "prompt":
+            calls.append((sizes[0], long_prompt))
+        return calls
 
     def text_tokens_of(self, transformer_kwargs: dict[str, Any]) -> int:
         """L, the text tokens the blocks see, from one transformer call's keyword arguments.
@@ -347,3 +366,27 @@ def family(pipeline_class: str) -> Family:
     why = UNSUPPORTED.get(pipeline_class, "no row in families.py")
     supported = ", ".join(f"{f.label} ({name})" for name, f in FAMILIES.items())
     raise ValueError(f"{pipeline_class} is not supported: {why}. Supported pipelines: {supported}")
+
+
+def vae_scale_factor(vae_config: dict[str, Any]) -> int:
+    """The VAE's spatial downsampling, as the pipelines compute `vae_scale_factor` from its config:
+    2 ** (resolution levels - 1) for `AutoencoderKL`-style VAEs (8 for FLUX's), 2 ** len(temperal_downsample)
+    for Qwen-Image's and Wan's."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"])
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def attention_head_dim(transformer: torch.nn.Module) -> int:
+    """The transformer's attention head dim: its config's `attention_head_dim` (FLUX, Qwen-Image), else
+    the first attention module's query width over its head count (Z-Image's config names `dim`, `n_heads`).
+
+    Raises:
+        ValueError: neither is there.
+    """
+    if "attention_head_dim" in transformer.config:
+        return transformer.config.attention_head_dim
+    for module in transformer.modules():
+        if hasattr(module, "to_q") and hasattr(module, "heads"):
+            return module.to_q.out_features // module.heads
+    raise ValueError(f"{type(transformer).__name__}: no attention_head_dim in its config and no attention module")

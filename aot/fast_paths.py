@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from aot.families import attention_head_dim
 from aot.options import Options
 
 # An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
@@ -231,21 +232,6 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     if options.attention == "fa3":
         raise RuntimeError(f"attention=fa3 cannot run: {problem}. Use --attention auto or sdpa.")
     return Decision("attention", "sdpa", f"auto: {problem}")
-
-
-def attention_head_dim(transformer: torch.nn.Module) -> int:
-    """The transformer's attention head dim: its config's `attention_head_dim` (FLUX, Qwen-Image), else
-    the first attention module's query width over its head count (Z-Image's config names `dim`, `n_heads`).
-
-    Raises:
-        ValueError: neither is there.
-    """
-    if "attention_head_dim" in transformer.config:
-        return transformer.config.attention_head_dim
-    for module in transformer.modules():
-        if hasattr(module, "to_q") and hasattr(module, "heads"):
-            return module.to_q.out_features // module.heads
-    raise ValueError(f"{type(transformer).__name__}: no attention_head_dim in its config and no attention module")
 
 
 def resolve_fp8(options: Options, device: torch.device) -> Decision:

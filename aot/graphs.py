@@ -9,11 +9,11 @@ capture; see `blocks.load_runner`).
 The first call at a new shape runs as usual (its output is the answer; it also warms up the
 kernels), then the step is captured on copies of its inputs and replayed once: the replay must
 reproduce that output, or graphs are switched off with the reason logged. Later calls with that
-shape copy their inputs into the graph's static inputs and replay. Inputs may be nested (Z-Image
-takes lists of latents): the graph keeps the flattened leaves. Calls a graph cannot stand for run
-as usual: gradients on, `return_dict=True`, a value that is neither a tensor nor a plain constant
-(e.g. a LoRA scale in `joint_attention_kwargs` is a float, so it keys its own graph), or tensors
-off the GPU.
+shape copy their inputs into the graph's static inputs and replay. Inputs and outputs may be
+nested (lists of latents, dicts of keyword arguments): the graph keeps the flattened leaves. Calls
+a graph cannot stand for run as usual: gradients on, `return_dict=True`, a value that is neither a
+tensor nor a plain constant (e.g. a LoRA scale in `joint_attention_kwargs` is a float, so it keys
+its own graph), or tensors off the GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from aot.blocks import COSTS, forward_signature, rel_error
+from aot.blocks import COSTS, forward_signature, patch_forward, rel_error
 
 log = logging.getLogger("graphs")
 
@@ -64,7 +64,7 @@ class GraphedStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed:
             return self.step(*args, **kwargs)
-        kwargs = dict(self.signature.bind(*args, **kwargs).arguments)  # Z-Image's pipeline passes inputs by position
+        kwargs = dict(self.signature.bind(*args, **kwargs).arguments)  # a pipeline may pass inputs by position
         leaves, tree = pytree.tree_flatten(kwargs)
         key = _key(kwargs, leaves, tree)
         if key is None:
@@ -79,7 +79,7 @@ class GraphedStep:
             if isinstance(value, torch.Tensor):
                 static.copy_(value)
         graph.replay()
-        return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, outputs)  # Z-Image returns a list of latents
+        return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, outputs)  # nested outputs too (lists)
 
     def _capture(self, key: tuple, leaves: list[Any], tree: pytree.TreeSpec, expected: tuple) -> None:
         """Capture the step on copies of the inputs (`leaves` of `tree`), then replay it once: it
@@ -115,9 +115,9 @@ class GraphedStep:
 
 
 def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tuple | None:
-    """What a graph is specific to: the inputs' structure (lists of latents, FLUX's empty
-    `joint_attention_kwargs`), every tensor's shape, dtype and device, every other value (Qwen-Image's
-    `img_shapes`); None where a graph cannot stand for the call."""
+    """What a graph is specific to: the inputs' structure (nested lists and dicts, empty ones
+    included), every tensor's shape, dtype and device, every other value (e.g. image shapes given as
+    tuples); None where a graph cannot stand for the call."""
     if torch.is_grad_enabled() or kwargs.get("return_dict", True):
         return None
     inference_mode = ("inference_mode", torch.is_inference_mode_enabled())  # static inputs are made in that mode
@@ -137,5 +137,5 @@ def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tu
 def graph_step_(transformer: torch.nn.Module, strict: bool = False) -> GraphedStep:
     """Patch `transformer.forward` in place to run through CUDA graphs; returns the patch."""
     graphed = GraphedStep(transformer, strict)
-    transformer.forward = graphed
+    patch_forward(transformer, graphed)
     return graphed

@@ -18,6 +18,7 @@ from aot.blocks import (
     Compiled,
     Report,
     apply_,
+    unpatch_forward,
     wait_for_cpu_isa_probe,
 )
 from aot.export import LONG_PROMPT, compile_blocks
@@ -53,8 +54,7 @@ def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | No
     if options.push:
         check_push_target(options.push)
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
-    if isinstance(pipe.transformer.__dict__.get("forward"), GraphedStep):
-        del pipe.transformer.forward  # its graphs replay the blocks being replaced
+    unpatch_forward(pipe.transformer, GraphedStep)  # its graphs replay the blocks being replaced
     if compiled is None:
         wait_for_cpu_isa_probe()  # no thread may be mid-work when the GPU call forks (ZeroGPU)
         _pipeline = pipe
@@ -73,7 +73,7 @@ def optimize_(pipe: Any, options: Options | None = None, compiled: Compiled | No
     if options.save:
         save_packages(compiled, options.save)
         if options.push:
-            log.info("pushed packages to %s", push_packages(options.save, options.push))
+            log.info("pushed packages to %s", push_packages(options.save, options.push, options.model))
     return report
 
 

@@ -40,7 +40,7 @@ class Options:
 
     model: str = field(
         default="black-forest-labs/FLUX.1-dev",
-        metadata=_option("MODEL_ID", "FLUX-family pipeline: Hub repo id or local folder"),
+        metadata=_option("MODEL_ID", "diffusers pipeline (a class in families.py): Hub repo id or local folder"),
     )
     compile: bool = field(
         default=True,

@@ -634,8 +634,9 @@ def _fetch(source: str, names: list[str]) -> tuple[Path, str, Path | None]:
     return snapshot, label, snapshot.parents[2]  # <cache>/models--owner--name/snapshots/<commit>
 
 
-def push_packages(directory: str | os.PathLike, target: str) -> str:
-    """Publish a saved folder to a Hub repo id (one commit; token from HF_TOKEN) or a local folder.
+def push_packages(directory: str | os.PathLike, target: str, model: str | None = None) -> str:
+    """Publish a saved folder to a Hub repo id (one commit, naming `model` where given; token from
+    HF_TOKEN) or a local folder.
 
     A local target is updated with `save_packages`'s atomic swap. Returns where the packages went
     (for the Hub, with the `owner/name@<commit>` to load them pinned).
@@ -654,7 +655,6 @@ def push_packages(directory: str | os.PathLike, target: str) -> str:
 
     api = HfApi()
     api.create_repo(repo.repo_id, exist_ok=True)
-    commit = api.upload_folder(
-        repo_id=repo.repo_id, folder_path=str(directory), commit_message="Add AoT-compiled FLUX blocks"
-    )
+    message = f"Add AoT-compiled blocks of {model}" if model else "Add AoT-compiled blocks"
+    commit = api.upload_folder(repo_id=repo.repo_id, folder_path=str(directory), commit_message=message)
     return f"https://huggingface.co/{repo.repo_id} (load it pinned: --load {repo.repo_id}@{commit.oid})"

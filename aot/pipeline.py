@@ -13,7 +13,7 @@ from aot import lora
 from aot.blocks import (
     probe_cpu_isa_in_background,
 )
-from aot.families import family
+from aot.families import family, vae_scale_factor
 from aot.fast_paths import (
     refuse_impossible_requests,
 )
@@ -92,15 +92,6 @@ def load_pipeline(options: Options) -> Any:
     if options.lora:
         lora.fuse_(pipe, lora.parse(options.lora))
     return pipe
-
-
-def vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    """The VAE's spatial downsampling, as the pipelines compute `vae_scale_factor` from its config:
-    2 ** (resolution levels - 1) for `AutoencoderKL`-style VAEs (8 for FLUX's), 2 ** len(temperal_downsample)
-    for Qwen-Image's and Wan's."""
-    if "temperal_downsample" in vae_config:
-        return 2 ** len(vae_config["temperal_downsample"])
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
 
 def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]:

@@ -255,3 +255,12 @@ def test_a_dim_that_follows_image_and_text_is_its_own_checked_dimension():
     odd = [((), {"x": torch.zeros(t * 3 // 2)}) for _, t in points]
     with pytest.raises(ValueError, match="not a whole multiple of the text tokens plus a constant"):
         contract_from_captures("Block", odd, points, Resolution(256, 512), (256, 1024), (32, 512))
+
+
+def test_a_compile_captures_a_longer_prompt_only_where_the_text_length_follows_the_prompt():
+    sizes = [(1024, 1024), (256, 256)]
+    for row in FAMILIES.values():
+        calls = row.captures(sizes, "short", "long")
+        assert calls[:2] == [(size, "short") for size in sizes]
+        assert calls[2:] == ([((1024, 1024), "long")] if row.text_range else [])
+        assert row.capture_references == (row.image_input == "required")
