@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import socket
 import statistics
@@ -434,7 +435,9 @@ def build(args, load: str | None = None):
 
 
 def worker(names: list[str], args) -> None:
-    """Run `names` in this process; print one `ROW {json}` line per scenario."""
+    """Run `names` in this process; print one `ROW {json}` line per scenario. The log goes to stderr
+    (run_group's log file), as `python app.py` logs: the zerogpu rows read their workers' lines."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if names == ["warm"]:
         return print("ROW " + json.dumps(warm_start(args)), flush=True)
     if names == ["lora"]:
@@ -600,8 +603,6 @@ def zerogpu_start(args, name: str) -> dict:
     other_first_s (the first call minus a warm call minus those: first calls of the text encoders,
     the VAE, kernels). Peak GPU memory belongs to the worker and is not measured here.
     """
-    import logging
-
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
 
