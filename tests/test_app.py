@@ -1,5 +1,6 @@
 """The Space: `python app.py` on the tiny pipeline, driven over HTTP by gradio_client and in Chromium."""
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
+import app
 from aot.options import Options
 from aot.pipeline import load_pipeline
 
@@ -62,7 +64,7 @@ def test_image_of_the_requested_size_comes_back_with_its_seed(client):
 
 def test_the_api_names_its_inputs_and_outputs(client):
     endpoint = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]
-    assert [p["parameter_name"] for p in endpoint["parameters"]][-2:] == ["lora", "image"]
+    assert [p["parameter_name"] for p in endpoint["parameters"]] == [f.name for f in dataclasses.fields(app.Request)]
     assert [r["label"] for r in endpoint["returns"]] == ["Result", "seed", "notes"]  # were value_9, value_10
 
 
@@ -136,14 +138,19 @@ def raw_generate(server: str, values: list) -> tuple[str, str]:
     ],
 )
 def test_nan_and_broken_text_over_plain_http_are_refused_naming_the_input(server, server_log, index, message):
-    values = ["a red cat", 7, False, 512, 768, 2, 3.5, "none", None]
+    values = plain_values()
     values[index] = "a red \ud800 cat" if index == 0 else float("nan")
     before = server_log.read_text()
     kind, data = raw_generate(server, values)
     assert kind == "error" and message in data, data
     added = server_log.read_text()[len(before) :]
     assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
-    assert raw_generate(server, ["a red cat", 7, False, 512, 768, 2, 3.5, "none", None])[0] == "complete"
+    assert raw_generate(server, plain_values())[0] == "complete"
+
+
+def plain_values() -> list:
+    """A plain-HTTP request's values: every field of app.Request, in order (gradio fills in no defaults there)."""
+    return list(dataclasses.astuple(app.Request("a red cat", 7, False, 512, 768, 2, 3.5)))
 
 
 def test_a_ten_million_character_prompt_is_refused_at_once(client, server_log):
