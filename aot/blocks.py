@@ -222,7 +222,7 @@ def contract_from_captures(
 
     `points[i]` is (I, L) of `calls[i]`: image tokens of the sequence and text tokens. Calls 0 and
     1 differ in I only; a call 2, where the text length follows the prompt, differs from call 0 in
-    L only (`compile.compile_blocks` captures so). A dim whose change is not a whole multiple of
+    L only (`export.compile_blocks` captures so). A dim whose change is not a whole multiple of
     the change in I (or L) cannot be one dynamic dimension: refused. Examples: `image_rotary_emb`
     covers text + image tokens (a = 1, c = FLUX's fixed text length); Z-Image's main blocks see
     image and text tokens in one sequence (a = b = 1). Every other dim is fixed.
@@ -370,10 +370,9 @@ def probe_cpu_isa_in_background() -> threading.Thread:
 
     Compiling a package needs it (AOTInductor builds the package's C++ wrapper with the host's
     vector flags, `cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test
-    programs, each load in a child Python: 1-8 s on the CPU dev machine, 43.6-48.0 s on the H200
-    host with torch 2.11 (9 child processes; 43.6 s with the test builds already cached; measured
-    2026-11-29). `load_pipeline` starts it beside loading the weights when it will compile;
-    `compile_blocks` joins it.
+    programs, each load in a child Python: tens of seconds on a GPU host (see BENCHMARKS.md), so
+    `load_pipeline` starts it beside loading the weights when it will compile; `compile_blocks`
+    joins it.
     Loading a package does not need it (`load_runner`).
     """
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
@@ -407,8 +406,8 @@ def load_runner(package: bytes) -> Any:
 
     This is the loader `torch._inductor.aoti_load_package` wraps (`AOTIModelPackageLoader`, as its
     own fallback calls it) without the device-information check in front of it: that check only
-    warns on a mismatch, and it runs the CPU ISA probe (`probe_cpu_isa_in_background`: 43.6 s on
-    the H200 host, against about 10 ms per load). Packages are checked before they get here
+    warns on a mismatch, and it runs the CPU ISA probe (`probe_cpu_isa_in_background`), which takes
+    far longer than the load (see BENCHMARKS.md). Packages are checked before they get here
     instead (`packages.load_packages`): the CPU architecture, CUDA and compute capability must
     match, and this CPU must have every flag of the vector ISA the packages were built for; a set
     that fails is refused, not warned about.

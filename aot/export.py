@@ -66,14 +66,12 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
     # Store a pointwise result that is read more than once when it takes more than 16 ops,
     # instead of recomputing it in every kernel that reads it (Inductor's GPU default: 30). In
     # FLUX's single block the FP8 input of proj_out, cat(attention, gelu_tanh(mlp)), is read by the
-    # row-amax and by the cast: one kernel instead of three, 1.709 -> 1.600 ms per FP8 block on the
-    # H200 (BENCHMARKS.md).
+    # row-amax and by the cast: one kernel instead of three (BENCHMARKS.md).
     "realize_opcount_threshold": 16,
 }
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
 # packages land far below; a larger error means the package computes something else.
 MAX_REL_ERROR = 1e-2
-# Largest transformer `load_pipeline` runs on a CPU: FLUX.1-dev (12B) would need ~48 GB in float32
 
 
 @contextlib.contextmanager

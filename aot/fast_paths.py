@@ -1,12 +1,12 @@
 """The fast paths: FlashAttention-3 and FP8 inside the compiled blocks, CUDA graphs around the step,
 each resolved to a `Decision`, in the order the GPU's `Plan` gives (`PLANS`, keyed by compute
-capability; `compile.compile_blocks` runs each step as a trial and walks to the next on failure).
+capability; `export.compile_blocks` runs each step as a trial and walks to the next on failure).
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
 that cannot run raises with what is missing. Off Hopper (an RTX Pro 6000 Blackwell on ZeroGPU, an
 A100, an L40S) attention is torch's SDPA, which picks its fastest kernel for the GPU at hand.
 Nothing here runs at import: capability probes and kernel loads happen inside
-`compile.compile_blocks` and at a compiled block's first call, in the GPU worker on ZeroGPU
+`export.compile_blocks` and at a compiled block's first call, in the GPU worker on ZeroGPU
 (zerogpu.py says what runs where).
 """
 

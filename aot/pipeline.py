@@ -22,6 +22,7 @@ from aot.packages import check_push_target, check_save_target
 
 log = logging.getLogger("compile")
 
+# Largest transformer `load_pipeline` runs on a CPU: FLUX.1-dev (12B) would need ~48 GB in float32
 # and minutes per step.
 CPU_MAX_PARAMS = 1_000_000_000
 
