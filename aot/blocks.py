@@ -518,8 +518,8 @@ def bound_constants(names: list[str], block: torch.nn.Module) -> dict[str, torch
 @dataclass
 class Costs:
     """What this process has spent on work only compiled blocks do: package loads, binds (a block's
-    pointers set before it runs) and CUDA graph captures (graphs.py), counts and seconds. A new
-    ZeroGPU worker pays them once; `zerogpu.gpu` logs them per call."""
+    pointers set before it runs), CUDA graph captures and their check replays (graphs.py), counts
+    and seconds. A new ZeroGPU worker pays them once; `zerogpu.gpu` logs them per call."""
 
     loads: int = 0
     load_s: float = 0.0
@@ -527,6 +527,8 @@ class Costs:
     bind_s: float = 0.0
     captures: int = 0
     capture_s: float = 0.0
+    checks: int = 0
+    check_s: float = 0.0
 
     def add(self, what: str, seconds: float) -> None:
         setattr(self, f"{what}s", getattr(self, f"{what}s") + 1)

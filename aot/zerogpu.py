@@ -96,16 +96,20 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
     Returns:
         `fn` itself outside ZeroGPU; on ZeroGPU a function that schedules a worker, runs `fn` there,
         and raises in the caller the exception `fn` raised (its type and message; the worker's
-        traceback is added as a note). `gr.Error`s pass through as spaces passes them.
+        traceback is added as a note). `gr.Error`s pass through as spaces passes them. The CUDA
+        graph shapes the worker has checked (`graphs.VERIFIED`) come back with the result, so
+        workers forked later skip those check replays.
     """
     if not ON_ZEROGPU:
         return fn
 
+    from aot.graphs import VERIFIED
+
     @functools.wraps(fn)
-    def in_worker(*args: Any, **kwargs: Any) -> Any:
+    def in_worker(*args: Any, **kwargs: Any) -> tuple[Any, set[tuple]]:
         try:
             with _logged(fn.__name__):
-                return fn(*args, **kwargs)
+                return fn(*args, **kwargs), VERIFIED  # what later workers need not check again
         except gr.Error:
             raise
         except Exception as exc:
@@ -117,7 +121,9 @@ def gpu(fn: F, *, duration: int | Callable[..., int], size: str | None = None) -
     def call(*args: Any, **kwargs: Any) -> Any:
         _asked.set(time.time())  # a worker forked for this call inherits it (fork copies this thread's context)
         try:
-            return scheduled(*args, **kwargs)
+            result, verified = scheduled(*args, **kwargs)
+            VERIFIED.update(verified)  # workers forked from now on inherit them
+            return result
         except WorkerError as carried:
             error = carried.error
             error.add_note(f"raised in the ZeroGPU worker:\n{carried.worker_traceback}")
@@ -139,7 +145,7 @@ def _logged(name: str):
     """Log one `zerogpu-call {json}` line per call in a worker: whether the worker is new, the
     seconds from asking for the GPU to the call (a new worker's, which includes moving the weights), the
     call's seconds and what compiled blocks spent in it (`blocks.COSTS`: package loads, binds,
-    CUDA graph captures). bench.py's zerogpu rows read these lines."""
+    CUDA graph captures and check replays). bench.py's zerogpu rows read these lines."""
     from aot.blocks import COSTS
 
     global _calls

@@ -112,6 +112,29 @@ def test_cuda_graph_replays_match_plain_steps():
         assert error < 1e-3, f"{size}: graph replay vs plain step {error:.2e}"
 
 
+def test_a_checked_shape_is_captured_again_without_a_check_replay():
+    # graphs.VERIFIED: a new GraphedStep (on ZeroGPU: a later worker, which inherits the set) captures
+    # a shape already checked without replaying it against the step, and still matches plain steps.
+    from aot.blocks import COSTS, unpatch_forward
+    from aot.graphs import VERIFIED, GraphedStep, graph_step_
+    from aot.optimize import optimize_
+
+    pipe = wide_pipeline()
+    optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
+    VERIFIED.clear()
+    checks, captures = COSTS.checks, COSTS.captures
+    generate(pipe, 1024, 768, steps=3)
+    assert (COSTS.checks - checks, COSTS.captures - captures) == (1, 1)
+    unpatch_forward(pipe.transformer, GraphedStep)
+    graph_step_(pipe.transformer)
+    replayed = generate(pipe, 1024, 768, steps=3).float()
+    assert (COSTS.checks - checks, COSTS.captures - captures) == (1, 2), "the second capture replayed a check"
+    step = unpatch_forward(pipe.transformer, GraphedStep)
+    assert step.failed is None and len(step.graphs) == 1, step.failed
+    error = rel_error(replayed, generate(pipe, 1024, 768, steps=3).float())
+    assert error < 1e-3, f"graph replay without a check vs plain step {error:.2e}"
+
+
 def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_base_exactly(tmp_path):
     # One transformer step on fixed inputs, the LoRA at scale 4: at scale 1 it moved this random
     # 2+2-block step by 1.8e-2 (H200, 2026-12-01), too close to FP8's own 7e-3 to tell "applied"

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, ZeroGPUSpace, load_tiny
+from conftest import ROOT, TINY, ZeroGPUSpace, free_port, load_tiny
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from PIL import Image
@@ -329,3 +329,39 @@ def test_startup_says_which_zerogpu_size_the_weights_fit(moved, size, warns, say
     # spaces 0.51.3 makes xlarge its default size past LARGE_MAX_BYTES packed (zero/configs.json).
     line, warning = size_advice(moved, size)
     assert says in line and warning == warns, line
+
+
+def test_shapes_a_worker_checked_reach_the_workers_forked_after_it(tmp_path):
+    # graphs.VERIFIED crosses back with a call's result (zerogpu.gpu), so a new worker captures a
+    # shape an earlier worker checked without replaying it. A CPU has no CUDA graphs: the key here is
+    # a stand-in for a graph's; the fork, the pickling and the new workers (--cold) are real.
+    script = tmp_path / "verified.py"
+    script.write_text(
+        f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import spaces
+from aot import graphs, zerogpu
+
+def check(key):
+    graphs.VERIFIED.add(key)
+
+def seen():
+    return sorted(graphs.VERIFIED)
+
+zerogpu.gpu(check, duration=60)(("shape", 1024))
+print("main process:", sorted(graphs.VERIFIED), flush=True)
+print("next new worker:", zerogpu.gpu(seen, duration=60)(), flush=True)
+"""
+    )
+    done = subprocess.run(
+        [sys.executable, "tools/zerogpu_harness.py", "--cpu", "--cold", "--port", str(free_port()), str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "main process: [('shape', 1024)]" in done.stdout, done.stdout
+    assert "next new worker: [('shape', 1024)]" in done.stdout, done.stdout
+    assert done.stderr.count("worker new") == 2, done.stderr[-3000:]
