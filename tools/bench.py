@@ -595,11 +595,14 @@ def zerogpu_start(args, name: str) -> dict:
     loading the weights). ready_s: `import app` (the startup call compiles in a worker and returns
     the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
-    worker before each), median of `NEW_WORKERS`; s_per_image: warm requests (the worker reused);
+    worker before each), median of `NEW_WORKERS`, and of it, in this process: generate_s
+    (`Space.generate`: the request's checks and the GPU call) and infer_s (the GPU call: asking for
+    a GPU, the worker's start and call, the result's way back); s_per_image: warm requests (the worker reused);
     step_ms: (warm request - request of 2 steps) / (steps - 2). moved_gb: the weights a new worker
     moves (`zerogpu.weight_bytes`). The worker's own breakdown comes from its `zerogpu-call` log
     lines (`zerogpu.gpu`), medians over new workers: wait_s (asking for the GPU to the call: spaces
-    moving the weights), the AoT-only costs (package loads, binds, CUDA graph captures), and
+    moving the weights), the AoT-only costs (package loads, binds, CUDA graph captures and check
+    replays), and
     other_first_s (the first call minus a warm call minus those: first calls of the text encoders,
     the VAE, kernels). Peak GPU memory belongs to the worker and is not measured here.
     """
@@ -637,6 +640,7 @@ def zerogpu_start(args, name: str) -> dict:
     row["launch_s"] = time.perf_counter() - start
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
+    served = {"generate": timed(space, "generate"), "infer": timed(space, "_infer")}  # this process's part
 
     def request(steps: int, new_worker: bool = False) -> float:
         if new_worker:
@@ -646,26 +650,47 @@ def zerogpu_start(args, name: str) -> dict:
         return time.perf_counter() - begin
 
     new = [request(args.steps, new_worker=True)]
+    on_new = [0]  # which requests ran on a new worker, in order
     row["s_per_image"] = statistics.median(request(args.steps) for _ in range(2))
     short = statistics.median(request(2) for _ in range(2))
     row["step_ms"] = (row["s_per_image"] - short) / (args.steps - 2) * 1e3
+    on_new += range(5, 5 + NEW_WORKERS - 1)
     new += [request(args.steps, new_worker=True) for _ in range(NEW_WORKERS - 1)]
     row["new_worker_s"] = statistics.median(new)
+    for part, seconds in served.items():  # where a new worker's request spends its time in this process
+        row[f"new_{part}_s"] = statistics.median(seconds[i] for i in on_new)
     urllib.request.urlopen(reclaim, timeout=30).close()
     lines = [json.loads(line.split(" ", 1)[1]) for line in calls.read_text().splitlines() if "zerogpu-call" in line]
     infer = [line for line in lines if line["fn"] == "infer"]
     firsts = [line for line in infer if line["new_worker"]]
     warm = statistics.median(line["call_s"] for line in infer if line["call"] in (2, 3))  # the full warm requests
-    for key in ("wait_s", "call_s", "loads", "load_s", "binds", "bind_s", "captures", "capture_s"):
+    keys = ("wait_s", "call_s", "loads", "load_s", "binds", "bind_s", "captures", "capture_s", "checks", "check_s")
+    for key in keys:
         row[f"new_{key}"] = statistics.median(line[key] for line in firsts)
-    row["new_aot_s"] = row["new_load_s"] + row["new_bind_s"] + row["new_capture_s"]
+    row["new_aot_s"] = row["new_load_s"] + row["new_bind_s"] + row["new_capture_s"] + row["new_check_s"]
     row["new_other_first_s"] = row["new_call_s"] - warm - row["new_aot_s"]
     row["warm_call_s"] = warm
     return row
 
 
-# New workers measured per zerogpu row (the first request, and after each reclaim).
-NEW_WORKERS = 3
+# New workers measured per zerogpu row (the first request, and after each reclaim): the disk a new
+# worker reads its weights from varies by seconds between workers (BENCHMARKS.md).
+NEW_WORKERS = 5
+
+
+def timed(obj: object, name: str) -> list[float]:
+    """Wrap the method `obj.name` (on this instance) to append each call's seconds to the list returned."""
+    method, seconds = getattr(obj, name), []
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(obj, name, wrapper)
+    return seconds
 
 
 def environment() -> dict:
@@ -787,16 +812,17 @@ def zerogpu_table(rows: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "| ZeroGPU mode | new worker s | warm s | step ms | GB moved | new worker: wait s (weights) | package "
-        "loads, s | binds, s | graph captures, s | other first calls s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ZeroGPU mode | new worker s | of it: generate s, GPU call s | warm s | step ms | GB moved | new worker: "
+        "wait s (weights) | package loads, s | binds, s | graph captures, s | check replays, s | other first calls s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in done.items():
         lines.append(
-            f"| {name} | {row['new_worker_s']:.2f} | {row['s_per_image']:.2f} | {row['step_ms']:.1f} "
-            f"| {row['moved_gb']:.1f} | {row['new_wait_s']:.2f} | {row['new_loads']:.0f}, {row['new_load_s']:.3f} "
-            f"| {row['new_binds']:.0f}, {row['new_bind_s']:.3f} | {row['new_captures']:.0f}, "
-            f"{row['new_capture_s']:.3f} | {row['new_other_first_s']:.2f} |"
+            f"| {name} | {row['new_worker_s']:.2f} | {row['new_generate_s']:.2f}, {row['new_infer_s']:.2f} "
+            f"| {row['s_per_image']:.2f} | {row['step_ms']:.1f} | {row['moved_gb']:.1f} | {row['new_wait_s']:.2f} "
+            f"| {row['new_loads']:.0f}, {row['new_load_s']:.3f} | {row['new_binds']:.0f}, {row['new_bind_s']:.3f} "
+            f"| {row['new_captures']:.0f}, {row['new_capture_s']:.3f} | {row['new_checks']:.0f}, "
+            f"{row['new_check_s']:.3f} | {row['new_other_first_s']:.2f} |"
         )
     if len(done) == 2:
         aot, eager = done["zerogpu"], done["zerogpu-eager"]
