@@ -91,7 +91,9 @@ class GraphedStep:
 
     def _capture(self, key: tuple, leaves: list[Any], tree: pytree.TreeSpec, expected: tuple) -> None:
         """Capture the step on copies of the inputs (`leaves` of `tree`), then replay it once: it
-        must give `expected`."""
+        must give `expected`. Timed (`COSTS`) from when the step that gave `expected` has finished on
+        the GPU: `torch.cuda.graph` waits for it first, and that wait is the step's time, not the capture's."""
+        torch.cuda.synchronize()
         start = time.perf_counter()
         inputs = [v.clone() if isinstance(v, torch.Tensor) else v for v in leaves]
         graph = torch.cuda.CUDAGraph()
