@@ -716,6 +716,12 @@ class Compiled:
     source: str = "compiled"  # or "loaded from <folder or repo>"
     text_fp8: Any = None  # the text encoders' FP8 trial in the same GPU call (`text_fp8.TextFP8`), not saved
 
+    @property
+    def fp8_config(self) -> Any:
+        """torchao's config the FP8 packages' layers are quantized with (`fast_paths.fp8_config`), for
+        whatever writes into them (LoRAs, `lora.Adapters`); None where every package is bf16."""
+        return fp8_config(self.fp8_granularity) if self.fp8_granularity else None
+
 
 def rel_error(out: Any, ref: Any) -> float:
     """max over output tensors of ||out - ref|| / ||ref||, in float64; NaN anywhere gives inf."""

@@ -33,20 +33,19 @@ from aot.blocks import (
     rel_error,
     repeated_blocks,
 )
-from aot.families import family
+from aot.families import Family, family
 from aot.fast_paths import (
     FP8_MAX_REL_ERROR,
     FP8_MIN_FEATURES,
     Decision,
-    attention_steps,
+    Trials,
     brief,
     fp8_config,
-    fp8_steps,
     quantize_block_,
-    resolve_plan,
 )
 from aot.options import Options
 from aot.packages import fingerprint
+from aot.target import Target
 
 log = logging.getLogger("compile")
 
@@ -98,19 +97,24 @@ def capture(modules: dict[str, torch.nn.Module]):
 
 
 def capture_blocks(
-    pipe: Any, modules: dict[str, torch.nn.Module], sizes: list[tuple[int, int]], prompt: str = CAPTURE_PROMPT
+    pipe: Any,
+    modules: dict[str, torch.nn.Module],
+    sizes: list[tuple[int, int]],
+    prompt: str = CAPTURE_PROMPT,
+    row: Family | None = None,
 ) -> list[dict[str, Call]]:
     """Capture the first call's inputs of every module (block groups' first blocks, the transformer)
     from one real pipeline call per size.
 
     Each call is the one the app makes (`families.Family.call`: keyword arguments, the family's
     text length, guidance where the model takes it, an input image of the output size for an edit
-    family), with the family's `capture_steps`, stopped at latents.
+    family), with the family's `capture_steps`, stopped at latents. `row`: the pipeline's family
+    row (`Target.family`), looked up when not given.
 
     Raises:
         RuntimeError: a module was not called by the pipeline.
     """
-    row = family(type(pipe).__name__)
+    row = row or family(type(pipe).__name__)
     captured = []
     for height, width in sizes:
         with capture(modules) as calls:
@@ -176,11 +180,15 @@ def compile_package(exported: torch.export.ExportedProgram) -> bytes:
             return f.read()
 
 
-def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
+def compile_blocks(
+    pipe: Any, options: Options | None = None, target: Target | None = None, trials: Trials | None = None
+) -> Compiled:
     """Capture, export and compile one package per repeated block class of `pipe.transformer`.
 
     Leaves `pipe` as it was (FP8 is tried on a copy of one block). Runs on the GPU the pipeline is
-    on: on ZeroGPU, inside the worker (`optimize_` calls it through `zerogpu.gpu`).
+    on: on ZeroGPU, inside the worker (`optimize_` calls it through `zerogpu.gpu`). `target` and
+    `trials` are the pipeline's and this GPU's, worked out once by the caller (`optimize_`, which
+    hands the same ones to the load path); worked out here when not given.
 
     Raises:
         ValueError: no repeated blocks, or inputs the shape rule cannot describe.
@@ -190,11 +198,11 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     options = options or Options()
     transformer = pipe.transformer
     blocks = repeated_blocks(transformer)
-    resolution = options.resolution(pipe.vae_scale_factor)
-    plan, planned = resolve_plan(options, transformer.device)
-    kernels, skipped = attention_steps(options, plan, transformer, transformer.device)
-    granularities, fp8_off = fp8_steps(options, plan, transformer.device)
-    log.info("%s", planned)
+    target = target or Target.of(pipe, options)
+    trials = trials or Trials.resolve(options, transformer)
+    resolution, row, plan = target.resolution, target.family, trials.plan
+    kernels, granularities = trials.attention, trials.fp8
+    log.info("%s", trials.planned)
 
     if resolution.min_side == resolution.max_side:
         raise ValueError(
@@ -206,10 +214,9 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
         sizes[1] = (resolution.max_side, resolution.max_side)
     firsts = {name: found[0] for name, found in blocks.items()}
-    row = family(type(pipe).__name__)
     modules = {**firsts, TRANSFORMER: transformer}
     wanted = row.captures(sizes, CAPTURE_PROMPT, LONG_PROMPT)
-    captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt)]
+    captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt, row)]
     points = [
         (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
         for (size, _), c in zip(wanted, captures, strict=True)
@@ -225,7 +232,7 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
         contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
         classes[name] = (block, kwargs, contract, reference)
 
-    walked = list(skipped)
+    walked = list(trials.skipped)
     for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
         try:
             packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
@@ -238,19 +245,20 @@ def compile_blocks(pipe: Any, options: Options | None = None) -> Compiled:
     origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
     attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
     origin = f"plan {plan.name}" if options.fp8_granularity == "auto" else f"fp8_granularity={options.fp8_granularity}"
-    fp8 = Decision("fp8", granularity or "off", f"{origin}: " + " -> ".join(fp8_walk) if granularities else fp8_off)
+    fp8_reason = f"{origin}: " + " -> ".join(fp8_walk) if granularities else trials.fp8_off
+    fp8 = Decision("fp8", granularity or "off", fp8_reason)
     log.info("%s", attention)
     log.info("%s", fp8)
     valid_for = fingerprint(transformer, resolution, attention, fp8, options)
     valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
     fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
-    return Compiled(packages, [planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
+    return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 
 
 def _compile_classes(
     classes: dict[str, tuple[torch.nn.Module, dict[str, Any], Contract, Any]],
     attention: str,
-    granularities: list[str],
+    granularities: tuple[str, ...],
     options: Options,
 ) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
     """One package per class with `attention`; FP8 at the first of `granularities` whose trial runs.

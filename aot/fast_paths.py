@@ -137,6 +137,40 @@ def fp8_steps(options: Options, plan: Plan, device: torch.device) -> tuple[list[
 
 
 @dataclass(frozen=True)
+class Trials:
+    """What the blocks try on this GPU, in order, worked out once per GPU call (`resolve`) and handed
+    to the load path (`packages.load_packages`: the variants a compile here would make) and the
+    compile path (`export.compile_blocks`: the trials it walks), so both come to the same answer.
+
+    plan: the GPU's plan, and `planned` the decision naming it; attention: the kernels to trial
+    (`attention_steps`), `skipped` a note for each of the plan's left out; fp8: the granularities
+    to trial, bf16 after them (`fp8_steps`), `fp8_off` why there are none.
+    """
+
+    plan: Plan
+    planned: Decision
+    attention: tuple[str, ...]
+    skipped: tuple[str, ...]
+    fp8: tuple[str, ...]
+    fp8_off: str
+
+    @classmethod
+    def resolve(cls, options: Options, transformer: torch.nn.Module) -> Trials:
+        """The trials for `transformer` on the device it is on, under `options`. Call it where the
+        real card is (a ZeroGPU worker).
+
+        Raises:
+            RuntimeError: a fast path explicitly requested in `options` cannot run here.
+            ValueError: `options.plan` names a capability no row of `PLANS` covers.
+        """
+        device = transformer.device
+        plan, planned = resolve_plan(options, device)
+        kernels, skipped = attention_steps(options, plan, transformer, device)
+        granularities, fp8_off = fp8_steps(options, plan, device)
+        return cls(plan, planned, tuple(kernels), tuple(skipped), tuple(granularities), fp8_off)
+
+
+@dataclass(frozen=True)
 class Decision:
     """One resolved choice, e.g. `attention: sdpa (auto: no CUDA device)`."""
 

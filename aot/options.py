@@ -214,6 +214,16 @@ class Options:
             raise ValueError(f"max_side={self.max_side}: at most {LARGEST_SIDE} px (about 4 megapixels square)")
         return Resolution(self.min_side, self.max_side, step=2 * vae_scale_factor)
 
+    @property
+    def lora_specs(self) -> tuple[Any, ...]:
+        """`lora`, parsed (`lora.LoraSpec`s): the LoRAs fused into the weights at load."""
+        return self._specs[0]
+
+    @property
+    def choice_specs(self) -> tuple[Any, ...]:
+        """`lora_choices`, parsed (`lora.LoraSpec`s): the LoRAs a request may pick."""
+        return self._specs[1]
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
@@ -227,7 +237,8 @@ class Options:
             raise ValueError(f"devices={self.devices!r}: use auto or a comma-separated list of cpu, cuda, cuda:N")
         from aot.lora import parse
 
-        parse(self.lora), parse(self.lora_choices)  # raises ValueError naming the item and the syntax
+        # Parsed once here (raises ValueError naming the item and the syntax); `lora_specs`, `choice_specs`.
+        object.__setattr__(self, "_specs", (tuple(parse(self.lora)), tuple(parse(self.lora_choices))))
         if self.push and not self.save:
             raise ValueError(f"push={self.push!r} needs save: the folder whose packages are pushed (--save DIR)")
 

@@ -42,8 +42,9 @@ from typing import Any, BinaryIO
 import torch
 
 from aot.blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
-from aot.fast_paths import FA3_KERNEL_VERSION, Decision, attention_steps, fp8_steps, one_line, resolve_plan
+from aot.fast_paths import FA3_KERNEL_VERSION, Decision, Trials, one_line
 from aot.options import Options, Resolution
+from aot.target import Target
 
 log = logging.getLogger("packages")
 # 3: contracts give each dynamic dim as image and text coefficients (blocks.TensorSpec); 4: fp8 is the
@@ -319,8 +320,13 @@ def _kernels(fa3_kernel: str | None) -> list[dict[str, Any]]:
     return [{"repo_id": fa3_kernel, "version": FA3_KERNEL_VERSION}]
 
 
-def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | None, str]:
-    """Verified packages for `pipe` under `options` from a folder or Hub repo.
+def load_packages(
+    source: str, pipe: Any, options: Options, target: Target | None = None, trials: Trials | None = None
+) -> tuple[Compiled | None, str]:
+    """Verified packages for `pipe` under `options` from a folder or Hub repo: the first variant, in
+    the order of `trials` (this GPU's, as a compile here would walk them), whose fingerprint matches
+    `target`'s resolution and the model here. `target` and `trials` are worked out here when not
+    given (`optimize_` hands in the ones it gives the compile path).
 
     Returns `(compiled, "")`, or `(None, reason)` with a one-line reason when they cannot be used
     here: no such variant, a malformed config, block classes other than this model's, a fingerprint
@@ -332,13 +338,11 @@ def load_packages(source: str, pipe: Any, options: Options) -> tuple[Compiled | 
         RuntimeError: a fast path explicitly requested in `options` cannot run here.
     """
     transformer = pipe.transformer
-    resolution = options.resolution(pipe.vae_scale_factor)
-    plan, _ = resolve_plan(options, transformer.device)
-    kernels, _ = attention_steps(options, plan, transformer, transformer.device)
-    granularities, _ = fp8_steps(options, plan, transformer.device)
+    resolution = (target or Target.of(pipe, options)).resolution
+    trials = trials or Trials.resolve(options, transformer)
     candidates = {}  # variant -> fingerprint, in the plan's order: what a compile here would try
-    for kernel in kernels:
-        for granularity in [*granularities, "off"]:
+    for kernel in trials.attention:
+        for granularity in [*trials.fp8, "off"]:
             attention, fp8 = Decision("attention", kernel, ""), Decision("fp8", granularity, "")
             here = fingerprint(transformer, resolution, attention, fp8, options)
             candidates.setdefault(variant(here), here)

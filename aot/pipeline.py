@@ -64,7 +64,7 @@ def load_pipeline(options: Options) -> Any:
         check_save_target(options.save)
     if options.push:
         check_push_target(options.push)
-    for spec in lora.parse(options.lora) + lora.parse(options.lora_choices):
+    for spec in options.lora_specs + options.choice_specs:
         spec.check()
     index = _model_config(diffusers.DiffusionPipeline, options.model, None)
     pipeline_class = index.get("_class_name", "")
@@ -90,8 +90,8 @@ def load_pipeline(options: Options) -> Any:
     if options.compile and not options.load:
         probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
     pipe = getattr(diffusers, pipeline_class).from_pretrained(options.model, dtype=dtype).to(device)
-    if options.lora:
-        lora.fuse_(pipe, lora.parse(options.lora))
+    if options.lora_specs:
+        lora.fuse_(pipe, list(options.lora_specs))
     return pipe
 
 

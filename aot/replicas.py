@@ -26,10 +26,10 @@ import torch
 
 from aot import lora
 from aot.blocks import Compiled, Report
-from aot.fast_paths import fp8_config
 from aot.optimize import optimize_
 from aot.options import Options
 from aot.pipeline import load_pipeline
+from aot.target import Target
 
 log = logging.getLogger("replicas")
 
@@ -62,14 +62,17 @@ ZEROGPU_MAX_WAITING = 20
 
 
 class Replicas:
-    """The pipelines, one per device, their LoRA choices (`lora.Adapters`, one per pipeline), and
-    which of them are free. `len()` is how many pipelines there are, `concurrency` how many requests
-    may run at once; `zerogpu` says the pipelines are served by ZeroGPU's forked workers."""
+    """The pipelines, one per device, their LoRA choices (`lora.Adapters`, one per pipeline), their
+    targets (`target.Target`), and which of them are free. `len()` is how many pipelines there are,
+    `concurrency` how many requests may run at once; `zerogpu` says the pipelines are served by
+    ZeroGPU's forked workers."""
 
-    def __init__(self, pipes: list[Any], reports: list[Report | None], adapters: list[lora.Adapters]):
+    def __init__(
+        self, pipes: list[Any], reports: list[Report | None], adapters: list[lora.Adapters], targets: list[Target]
+    ):
         from aot.zerogpu import ON_ZEROGPU
 
-        self.pipes, self.reports, self.adapters = pipes, reports, adapters
+        self.pipes, self.reports, self.adapters, self.targets = pipes, reports, adapters, targets
         self.zerogpu = ON_ZEROGPU
         self._free: queue.Queue[int] = queue.Queue()
         for index in range(len(pipes)):
@@ -125,23 +128,27 @@ def start(options: Options, pipe: Any = None) -> Replicas:
     """
     given = pipe
     chosen = devices(options) if given is None else [options.device]
-    choices = lora.parse(options.lora_choices)
-    pipes, reports, adapters = [], [], []
+    pipes, reports, adapters, targets = [], [], [], []
     compiled: dict[str, Compiled] = {}  # GPU model -> packages
     for device in chosen:
         replica = dataclasses.replace(options, device=device, devices="auto")
         pipe = load_pipeline(replica) if given is None else given
+        target = Target.of(pipe, replica)  # worked out once per pipeline, handed to everything below
         report = None
         if options.compile:
             model = gpu_model(device) if len(chosen) > 1 else ""  # one replica: no CUDA query (ZeroGPU)
             if model in compiled:  # bind the packages; they were saved and pushed once already
                 replica = dataclasses.replace(replica, save=None, push=None)
-            report = optimize_(pipe, replica, compiled=compiled.get(model))
+            report = optimize_(pipe, replica, compiled=compiled.get(model), target=target)
             compiled.setdefault(model, report.compiled)
-        fp8 = fp8_config(report.compiled.fp8_granularity) if report and any(p.fp8 for p, _ in report.rows) else None
-        adapters.append(adapters[0].for_pipeline(pipe, fp8) if adapters else lora.Adapters(pipe, choices, fp8))
+        fp8 = report.compiled.fp8_config if report else None
+        if adapters:  # the LoRAs are read once, by the first replica's adapters
+            adapters.append(adapters[0].for_pipeline(pipe, fp8))
+        else:
+            adapters.append(lora.Adapters(pipe, list(target.choices), fp8))
         pipes.append(pipe)
         reports.append(report)
+        targets.append(target)
     if len(chosen) > 1:
         log.info("%d replicas on %s; packages for %d GPU model(s)", len(chosen), ", ".join(chosen), len(compiled))
-    return Replicas(pipes, reports, adapters)
+    return Replicas(pipes, reports, adapters, targets)

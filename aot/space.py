@@ -24,7 +24,6 @@ import torch
 from PIL import Image
 
 from aot import replicas, zerogpu
-from aot.families import family
 from aot.options import Options
 
 log = logging.getLogger("app")
@@ -128,9 +127,8 @@ class Space:
 
     def __init__(self, options: Options, served: replicas.Replicas):
         self.options, self.replicas = options, served
-        pipe = served.pipes[0]  # the model's facts are the same for every replica
-        self.family = family(type(pipe).__name__)
-        self.resolution = options.resolution(pipe.vae_scale_factor)
+        pipe, target = served.pipes[0], served.targets[0]  # the model's facts are the same for every replica
+        self.family, self.resolution = target.family, target.resolution
         self.guided = self.family.guided(pipe)
         self.default_steps, self.default_guidance = self.family.defaults(pipe)
         self.edits = self.family.image_input == "required"  # an input image must be given; "optional": it may be

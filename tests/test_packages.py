@@ -23,6 +23,7 @@ from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from aot import packages
 from aot.blocks import rel_error
+from aot.fast_paths import Trials
 from aot.optimize import optimize_
 from aot.packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
 
@@ -149,15 +150,25 @@ def test_unusable_packages_are_refused_with_the_reason(copy, kind):
         optimize_(load_tiny(), tiny_options(load=str(copy), strict=True))
 
 
-def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, caplog, eager_pipe):
+def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, caplog, eager_pipe, monkeypatch):
     # Without strict the same check falls back to compiling (one breakage: every reason above is
     # the same `load_packages` answer, and each fallback compile costs half a minute on a CPU).
+    # The GPU's trials are worked out once, and the compile walks the ones the load path looked for.
     breakage, reason = BREAKAGES["corrupt package"]
     breakage(copy)
     pipe = load_tiny()
+    resolved, resolve = [], Trials.resolve.__func__
+
+    def counted(cls, *args):
+        resolved.append(resolve(cls, *args))
+        return resolved[-1]
+
+    monkeypatch.setattr(Trials, "resolve", classmethod(counted))
     with caplog.at_level(logging.WARNING, logger="compile"):
         report = optimize_(pipe, tiny_options(load=str(copy)))
     assert report.source == "compiled"
+    assert len(resolved) == 1, "the load path and the compile path each worked out the GPU's trials"
+    assert report.compiled.decisions[0] is resolved[0].planned
     assert any("not used" in r.message and re.search(reason, r.message) for r in caplog.records)
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
 

@@ -554,7 +554,6 @@ def lora_switching(args) -> dict:
     CUDA graphs): its latents against eager + the same LoRA through peft, the step with and without
     it, and the seconds `lora.Adapters.use` takes (the first switch copies the base)."""
     from aot import lora
-    from aot.fast_paths import fp8_config
 
     work = Path(args.work)
     pipe = build(args)
@@ -568,7 +567,7 @@ def lora_switching(args) -> dict:
     report = optimize_(pipe, Options.from_env())
     row["ready_s"] = time.perf_counter() - start
     row["decisions"] = [str(d) for d in report.decisions]
-    fp8 = fp8_config(report.compiled.fp8_granularity) if any(p.fp8 for p, _ in report.rows) else None
+    fp8 = report.compiled.fp8_config
     adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source))], fp8)
     kwargs = step_inputs(pipe, args.size)  # the first step at this size captures its CUDA graph
     with torch.no_grad():
