@@ -17,11 +17,10 @@ import inspect
 import logging
 
 import gradio as gr
-import spaces  # noqa: F401  (before torch: on ZeroGPU it patches torch before anything can touch CUDA)
 from PIL import Image
 
-from aot.options import Options, stops_in_one_line
-from aot.space import MAX_GUIDANCE, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_SEED, MAX_STEPS, Space, named
+from aot import Options, Space, stops_in_one_line  # first: imports spaces, which on ZeroGPU patches torch
+from aot.space import MAX_GUIDANCE, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_SEED, MAX_STEPS, named
 
 EXAMPLES = [
     "a photo of a red fox in fresh snow, morning light",

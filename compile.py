@@ -39,10 +39,7 @@ import logging
 import sys
 import time
 
-from aot.families import family
-from aot.optimize import optimize_
-from aot.options import Options, stops_in_one_line
-from aot.pipeline import load_pipeline
+from aot import Options, Target, load_pipeline, optimize_, stops_in_one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         pipe = load_pipeline(options)
+        target = Target.of(pipe, options)
         start = time.perf_counter()
-        report = optimize_(pipe, options)
+        report = optimize_(pipe, options, target=target)
     ready = time.perf_counter() - start
     side = options.min_side
-    row = family(type(pipe).__name__)
-    pipe(**row.capture_call(pipe, "a test", side, side), output_type="latent")  # loads + binds every block
+    pipe(**target.family.capture_call(pipe, "a test", side, side), output_type="latent")  # loads + binds every block
     print(report)
     first_step = time.perf_counter() - start
     print(f"packages {report.source} in {ready:.1f} s; first step at {side}x{side} done after {first_step:.1f} s")
