@@ -146,7 +146,7 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
 
     pipe = wide_pipeline()
     source = tmp_path / "lora.safetensors"
-    random_lora(pipe.transformer, source)  # rank 16, every attention and MLP layer of the blocks
+    random_lora(pipe, source)  # rank 16, every attention and MLP layer of the blocks
     inputs = step_inputs(pipe, 1024)
 
     def step():
