@@ -62,11 +62,12 @@ from aot.blocks import (
     probe_cpu_isa_in_background,
     rel_error,
     repeated_blocks,
+    unpatch_forward,
     wait_for_cpu_isa_probe,
 )
 from aot.export import capture, capture_blocks
 from aot.families import family, latent_channels, with_latent_channels
-from aot.graphs import graph_step_
+from aot.graphs import GraphedStep, graph_step_
 from aot.optimize import optimize_
 from aot.options import Options
 from aot.pipeline import load_pipeline
@@ -396,7 +397,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
                 row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
             else:
                 row["graphs_failed"] = graphed.failed or "the step inputs were refused (graphs._key)"
-                del pipe.transformer.forward
+                unpatch_forward(pipe.transformer, GraphedStep)
     generate(pipe, args.size, 2)  # warm up the text encoders and VAE at this size
     reset_peak()
     row["s_per_image"], latents = generate(pipe, args.size, args.steps)
@@ -439,7 +440,7 @@ def worker(names: list[str], args) -> None:
         try:
             if SCENARIOS[name] is not None:
                 for block in pipe.transformer.modules():  # back to eager blocks, same weights
-                    block.__dict__.pop("forward", None)
+                    unpatch_forward(block)
                 # graphs are applied in `measure`, after the per-block timing (which needs plain steps)
                 options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
                 if name == "all":
