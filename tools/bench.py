@@ -33,9 +33,11 @@ text widths (seeded random values, the same in every scenario): the text encoder
 for the transformer's step, which is what is measured. `--layers N` cuts every block stack to N
 blocks and `--heads N` the attention heads to N (a smoke run on a CPU).
 
-    python bench.py                              # everything, 1024x1024, 28 steps
-    python bench.py --scenarios eager,aot --steps 8
-    python bench.py --family z-image --scenarios eager,all --steps 8
+From the repo root (the engine, aot/, is imported from there):
+
+    python -m tools.bench                              # everything, 1024x1024, 28 steps
+    python -m tools.bench --scenarios eager,aot --steps 8
+    python -m tools.bench --family z-image --scenarios eager,all --steps 8
 """
 
 from __future__ import annotations
@@ -580,8 +582,8 @@ def zerogpu_start(args, name: str) -> dict:
     zerogpu_harness.py (run_group starts it so): CUDA is emulated here, GPU work runs in workers.
 
     isa_probe_s: the CPU ISA probe, finished here before the first fork (a Space overlaps it with
-    loading the weights). ready_s: `import app` (the startup call compiles in a worker and returns
-    the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
+    loading the weights). ready_s: `app.start` and `app.ui` (the startup call compiles in a worker and
+    returns the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
     worker before each), median of `NEW_WORKERS`, and of it, in this process: generate_s
     (`Space.generate`: the request's checks and the GPU call) and infer_s (the GPU call: asking for
