@@ -329,10 +329,15 @@ def _trial_one_(
 
 
 def _input_ids(pipe: Any, name: str, prompt: str) -> torch.Tensor:
-    """The prompt's token ids, [1, tokens] int64, from the tokenizer paired with encoder `name`
-    (`text_encoder_2` -> `tokenizer_2`; a processor's own tokenizer)."""
+    """The prompt's token ids, [1, tokens] int64, from the tokenizer paired with encoder `name`:
+    diffusers pairs them by name in every pipeline here (`text_encoder_2` -> `tokenizer_2`), and where
+    that component is a processor, its own tokenizer reads the text.
+
+    Raises:
+        RuntimeError: no such tokenizer.
+    """
     tokenizer = pipe.components.get(name.replace("text_encoder", "tokenizer"))
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # FLUX.2's PixtralProcessor
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (e.g. FLUX.2's PixtralProcessor)
     if not callable(tokenizer):
         raise RuntimeError(f"no tokenizer for {name} (component {name.replace('text_encoder', 'tokenizer')!r})")
     return tokenizer(prompt, truncation=True, return_tensors="pt").input_ids
