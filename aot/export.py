@@ -50,7 +50,7 @@ from aot.target import Target
 log = logging.getLogger("compile")
 
 
-# Inputs are captured at this size (the shape hint Inductor tunes for; FLUX.1-dev's default size)
+# Inputs are captured at this size (the shape hint Inductor tunes for; every family's default size)
 # and once more at the smallest size, to find which input dimensions follow the image-token count.
 CAPTURE_SIZE = (1024, 1024)
 # The capture calls' prompt, and a second one where the text length follows the prompt

@@ -21,7 +21,8 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
   see image and text tokens in one sequence (a = b = 1).
 
 What differs by family in the models' configs is read here too: the VAE's downsampling
-(`vae_scale_factor`) and the attention head dim (`attention_head_dim`).
+(`vae_scale_factor`) and latent channels (`latent_channels`), and the attention head dim
+(`attention_head_dim`).
 
     >>> family("FluxPipeline").image_input
     'none'
@@ -37,6 +38,11 @@ from torch.utils import _pytree as pytree
 
 if TYPE_CHECKING:
     from aot.options import Resolution
+
+
+# FLUX.1's attention and MLP layers in its two block classes (Chroma's have the same names). No row
+# names its own yet: in FLUX.2's and Qwen-Image's blocks these match the attention only, in Z-Image's none.
+_FLUX_LORA_TARGETS = ("attn.to_", "attn.add_", "ff.net", "ff_context.net", "proj_mlp", "proj_out")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,16 @@ class Family:
         pipeline does not cut it (`truncates`); None: not counted.
     truncates: whether the pipeline cuts the prompt at `max_sequence_length` (Qwen-Image-Edit's
         does not: a longer prompt would go past the text tokens the blocks are compiled for).
+
+    Where the transformer's config keeps its sizes, for tools/bench.py (published shapes, random weights):
+    layer_fields: the fields counting each block stack's blocks (`--layers` sets them).
+    head_fields: the fields counting attention heads, query heads first (`--heads` sets them).
+    width_field: the model width's field where it is not derived from the heads (Z-Image's `dim`,
+        kept at the same head dim by `--heads`); None: heads x `attention_head_dim`.
+    text_widths: the transformer's text-embedding inputs, each with the field of its width (the
+        bench widens the tiny text encoders' outputs to it).
+    lora_targets: path prefixes, inside a repeated block, of the linear layers the bench's random
+        LoRA writes (`--scenarios lora`).
     """
 
     pipeline: str
@@ -95,6 +111,11 @@ class Family:
     sequence_multiple: int = 1
     requires: tuple[str, ...] = ()
     controls: tuple[str, ...] = ()
+    layer_fields: tuple[str, ...] = ("num_layers", "num_single_layers")
+    head_fields: tuple[str, ...] = ("num_attention_heads",)
+    width_field: str | None = None
+    text_widths: dict[str, str] = field(default_factory=lambda: {"encoder_hidden_states": "joint_attention_dim"})
+    lora_targets: tuple[str, ...] = _FLUX_LORA_TARGETS
 
     @property
     def text_tokens(self) -> int:
@@ -261,11 +282,21 @@ def _qwen_edit_reference(height: int, width: int) -> tuple[int, int]:
 # of size 0 or 1. Qwen-Image's prompt template leaves at least 5 tokens after its system prompt.
 MIN_TEXT_TOKENS = 2
 _FLUX_GUIDED = ("transformer", "guidance_embeds", True)
+_FLUX_TEXT = {"encoder_hidden_states": "joint_attention_dim", "pooled_projections": "pooled_projection_dim"}
 FAMILIES: dict[str, Family] = {
     f.pipeline: f
     for f in (
         # FLUX.1 dev (guidance-distilled: embedded guidance) and schnell (timestep-distilled: none).
-        Family("FluxPipeline", "FLUX.1", "guidance_scale", 28, 3.5, guided_when=_FLUX_GUIDED, tokenizer="tokenizer_2"),
+        Family(
+            "FluxPipeline",
+            "FLUX.1",
+            "guidance_scale",
+            28,
+            3.5,
+            guided_when=_FLUX_GUIDED,
+            tokenizer="tokenizer_2",
+            text_widths=_FLUX_TEXT,
+        ),
         Family(
             "FluxKontextPipeline",
             "FLUX.1 Kontext",
@@ -276,6 +307,7 @@ FAMILIES: dict[str, Family] = {
             image_input="required",
             reference_kwargs={"max_area": lambda h, w: h * w, "_auto_resize": False},
             tokenizer="tokenizer_2",
+            text_widths=_FLUX_TEXT,
         ),
         # Chroma: true classifier-free guidance (a second call with the negative prompt, same shapes).
         Family(
@@ -306,6 +338,7 @@ FAMILIES: dict[str, Family] = {
             tokenizer="tokenizer",
             text_rule="prompt",
             controls=("negative_prompt",),
+            layer_fields=("num_layers",),
         ),
         # Qwen-Image-Edit: the text encoder reads the prompt with the reference image (its vision
         # tokens join the text, which is not cut at max_sequence_length: a longer prompt is refused).
@@ -324,6 +357,7 @@ FAMILIES: dict[str, Family] = {
             text_rule="prompt",
             text_extra=2048,
             requires=("torchvision",),
+            layer_fields=("num_layers",),
         ),
         # Z-Image-Turbo: 8 DiT steps (9 scheduler steps), no guidance. Guidance > 0 (the base model's
         # CFG) runs the prompt and the negative prompt as a batch of two with a mask: other inputs.
@@ -339,6 +373,10 @@ FAMILIES: dict[str, Family] = {
             text_rule="prompt",
             text_input="cap_feats",
             sequence_multiple=32,
+            layer_fields=("n_layers", "n_refiner_layers"),
+            head_fields=("n_heads", "n_kv_heads"),
+            width_field="dim",
+            text_widths={"cap_feats": "cap_feat_dim"},
         ),
     )
 }
@@ -375,6 +413,31 @@ def vae_scale_factor(vae_config: dict[str, Any]) -> int:
     if "temperal_downsample" in vae_config:
         return 2 ** len(vae_config["temperal_downsample"])
     return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def latent_channels(vae_config: dict[str, Any]) -> int:
+    """The VAE's latent channels: its config's `z_dim` (Qwen-Image's and Wan's VAEs), else `latent_channels`.
+
+    Raises:
+        KeyError: the config has neither field.
+    """
+    return vae_config[_latent_field(vae_config)]
+
+
+def with_latent_channels(vae_config: dict[str, Any], channels: int) -> dict[str, Any]:
+    """A copy of `vae_config` for a VAE of `channels` latent channels: the field `latent_channels`
+    reads set to it, and the lists of one value per channel (Qwen-Image's `latents_mean`,
+    `latents_std`) repeated or cut to `channels`."""
+    config = {**vae_config, _latent_field(vae_config): channels}
+    for stat in ("latents_mean", "latents_std"):
+        if isinstance(config.get(stat), list):
+            config[stat] = (config[stat] * channels)[:channels]
+    return config
+
+
+def _latent_field(vae_config: dict[str, Any]) -> str:
+    """The VAE config's field of its latent channels."""
+    return "z_dim" if "z_dim" in vae_config else "latent_channels"
 
 
 def attention_head_dim(transformer: torch.nn.Module) -> int:

@@ -44,7 +44,7 @@ class Plan:
 
 
 # The plan per GPU, keyed by compute capability (major, minor): the first row whose range holds the
-# GPU's. Row-wise scaled FP8 measured fastest on the H200 (1.85x vs 1.71x per tensor, BENCHMARKS.md).
+# GPU's. Row-wise scaled FP8 measured faster than per tensor on the H200 (see BENCHMARKS.md).
 PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
     ((9, 0), (9, 9), Plan("sm_90", ("fa3", "sdpa"), ("row", "tensor"), "Hopper: FA3 runs, row-wise FP8 first")),
     (

@@ -1,8 +1,8 @@
 """CUDA graphs around the transformer step: capture once per input shape, replay every later step.
 
-A compiled FLUX.1-dev step is 57 AOTI block calls plus the eager code between them, each a series
-of kernel launches; the GPU idles in the gaps (a profile on the H200: 94 ms of kernels in a 99 ms
-step at 1024x1024). A CUDA graph replays the same kernels as one launch. The compiled blocks allow
+A compiled step is one AOTI call per block (57 for FLUX.1-dev) plus the eager code between them,
+each a series of kernel launches; the GPU idles in the gaps (profiled on the H200: see
+BENCHMARKS.md). A CUDA graph replays the same kernels as one launch. The compiled blocks allow
 it: their packages are loaded with single-threaded runners (torch's AOTI runner mode for graph
 capture; see `blocks.load_runner`).
 
@@ -33,8 +33,8 @@ from aot.blocks import COSTS, forward_signature, patch_forward, rel_error
 log = logging.getLogger("graphs")
 
 # Graphs kept, least recently used evicted first. One graph per image size: a Space serving a few
-# sizes keeps them all. They share one memory pool for what runs inside them; each also keeps its
-# static inputs and outputs (about 5 MB for FLUX.1-dev at 1024x1024).
+# sizes keeps them all. They share one memory pool for what runs inside them; each also keeps a
+# copy of its step's inputs and outputs (mostly the text embeddings; the size in BENCHMARKS.md).
 MAX_GRAPHS = 8
 # A replay runs the same kernels on the same inputs as the step it was captured from, so it matches
 # that step to rounding; anything more means the graph computes something else.

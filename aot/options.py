@@ -20,9 +20,9 @@ from typing import Any
 # FLUX: VAE downsampling 8 x 2x2 latent packing) between these bounds, any aspect ratio in between.
 # Image tokens = (height / 16) * (width / 16): 512x512 -> 1024 tokens, 1536x1536 -> 9216.
 MIN_SIDE, MAX_SIDE = 512, 1536
-# The widest side range a compile may cover. FLUX.1 generates up to about 2 megapixels (its model
-# cards); 2048 px a side (4.2 MP square, 16384 image tokens) leaves room for wide formats and stops
-# ranges the model was never trained for, whose compile and memory only grow.
+# The widest side range a compile may cover: 2048 px a side (4.2 MP square, 16384 image tokens)
+# leaves room for wide formats at the sizes these models are made for (e.g. FLUX.1's model cards:
+# up to about 2 megapixels) and stops larger ranges, whose compile and memory only grow.
 LARGEST_SIDE = 2048
 
 

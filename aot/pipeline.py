@@ -39,7 +39,7 @@ def load_pipeline(options: Options) -> Any:
     without CUDA. Beside the weights it starts the CPU ISA probe a compile needs
     (`probe_cpu_isa_in_background`), unless nothing is compiled (`--no-compile`) or packages are to
     be loaded (`AOT_LOAD`, which does not need it; if they are then refused, the compile waits for
-    the probe: 35-48 s on the H200 host with torch 2.11).
+    the probe: its time per host is in BENCHMARKS.md).
 
     Raises:
         RuntimeError: the model cannot be fetched, it is too large to run without CUDA, its

@@ -32,17 +32,17 @@ MAX_SEED = 2**31 - 1
 MAX_STEPS = 50
 MAX_GUIDANCE = 10.0
 # Untrusted sizes, bounded before any work. A prompt: every family's text encoders read at most 512
-# tokens (about 2,500 characters of English), so 10,000 characters loses nothing; a 10-million-
-# character prompt took 95 s to tokenize. An input image is resized to the output (at most 1536 px
+# tokens (about 2,500 characters of English), so 10,000 characters loses nothing; a far longer one
+# only costs tokenizing time (BENCHMARKS.md). An input image is resized to the output (at most 1536 px
 # a side), so a 50 MB, 64-megapixel upload is more than any camera sends.
 MAX_PROMPT_CHARS = 10_000
 MAX_IMAGE_BYTES = 50_000_000
 MAX_IMAGE_PIXELS = 64_000_000
 # ZeroGPU gives each request `duration` seconds of GPU and refuses a request that asks for more than
 # its cap (C28). The main process cannot know whether the request will find a worker alive, so every
-# request asks for a new worker's setup too: 16.0 s compiled on the H200 (BENCHMARKS.md, zerogpu
-# rows), x3 for ZeroGPU's card (not measurable here) and for slack. A LoRA switch (lora.Adapters.use)
-# took 0.6 s at most and an eager step 0.175 s at 4096 image tokens (BENCHMARKS.md), x3 likewise.
+# request asks for a new worker's setup too. Each constant is 3 x a time measured on the H200 (for
+# ZeroGPU's card, not measurable here, and for slack; BENCHMARKS.md): a compiled new worker's first
+# request, the slowest LoRA switch (lora.Adapters.use), an eager step at 4096 image tokens.
 NEW_WORKER_SECONDS = 3 * 16.0
 LORA_SWITCH_SECONDS = 3 * 0.6
 SECONDS_PER_STEP_AT_4096_TOKENS = 3 * 0.175

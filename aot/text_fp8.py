@@ -1,8 +1,8 @@
 """FP8 weights for a pipeline's text encoders: fewer bytes to move onto each new GPU worker.
 
 A text encoder runs once per request, so its speed barely matters; its bytes do: a new ZeroGPU
-worker first moves every weight onto the GPU (~1.5 GB/s), and FLUX.1-dev's T5-XXL is 9.5 of its
-22 GB in bfloat16, ~4.8 GB in FP8.
+worker first moves every weight onto the GPU, at the speed of its disk, and a text encoder can be a
+large share of them (FLUX.1-dev's T5-XXL; its bytes in bf16 and FP8 are in BENCHMARKS.md).
 
 The contract:
 
@@ -45,9 +45,9 @@ from aot.zerogpu import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
 # output, logits); above this `auto` restores it. The blocks' bound: the same FP8 format, measured
-# the same way. e4m3 per-row rounding moves a weight by 2.5-2.7% (relative norm); measured on the
-# tiny pipelines' random encoders: 0.6-4% (tiny-flux's T5 3.2e-2), except tiny-flux's CLIP (1.4e-1,
-# restored). Real models' errors are not measured yet (no weights here).
+# the same way. e4m3 per-row rounding moves each weight by a few percent; the tiny pipelines'
+# random encoders stay within this bound except tiny-flux's CLIP (BENCHMARKS.md). Real models'
+# errors are not measured yet (no weights here).
 TEXT_FP8_MAX_REL_ERROR = FP8_MAX_REL_ERROR
 GB = 1e9
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes Float8Tensor dequantizes to
@@ -329,10 +329,15 @@ def _trial_one_(
 
 
 def _input_ids(pipe: Any, name: str, prompt: str) -> torch.Tensor:
-    """The prompt's token ids, [1, tokens] int64, from the tokenizer paired with encoder `name`
-    (`text_encoder_2` -> `tokenizer_2`; a processor's own tokenizer)."""
+    """The prompt's token ids, [1, tokens] int64, from the tokenizer paired with encoder `name`:
+    diffusers pairs them by name in every pipeline here (`text_encoder_2` -> `tokenizer_2`), and where
+    that component is a processor, its own tokenizer reads the text.
+
+    Raises:
+        RuntimeError: no such tokenizer.
+    """
     tokenizer = pipe.components.get(name.replace("text_encoder", "tokenizer"))
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # FLUX.2's PixtralProcessor
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (e.g. FLUX.2's PixtralProcessor)
     if not callable(tokenizer):
         raise RuntimeError(f"no tokenizer for {name} (component {name.replace('text_encoder', 'tokenizer')!r})")
     return tokenizer(prompt, truncation=True, return_tensors="pt").input_ids

@@ -11,16 +11,16 @@ What runs where, in this template:
 
     main process (never initialises CUDA)           GPU worker
     ---------------------------------------------   -------------------------------------------------
-    load the weights (`.to("cuda")`: emulated);     startup (`compile._load_or_compile`): the text
-    torch's CPU ISA probe, finished before the      encoders' FP8 trial, then the card's plan of
-    first fork (`blocks.wait_for_cpu_isa_probe`)     trials (attention, FP8), load + verify saved
+    load the weights (`.to("cuda")`: emulated);     startup (`optimize._load_or_compile`): the
+    torch's CPU ISA probe, finished before the      text encoders' FP8 trial, then the card's plan
+    first fork (`blocks.wait_for_cpu_isa_probe`)     of trials (attention, FP8), load + verify saved
                                                      packages or capture + export + compile; only
                                                      the packages (bytes) and decisions cross back
     apply_: FP8-quantize the blocks' and the text
     encoders' weights, patch each block's forward
     (no package is loaded here), patch the step
     for CUDA graphs; log what a new worker moves
-    at launch, spaces packs the weights to disk     each request (`app.infer`): on a new worker,
+    at launch, spaces packs the weights to disk     each request (`Space.infer`): on a new worker,
                                                      spaces moves the weights to the GPU; the first
                                                      call of each block class loads its package
                                                      (FA3 first), each block binds its tensors before

@@ -7,6 +7,7 @@ each family costs one compile and one quick app start.
 """
 
 import dataclasses
+import inspect
 import json
 import urllib.request
 
@@ -18,7 +19,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from aot.blocks import contract_from_captures, rel_error, repeated_blocks
-from aot.families import FAMILIES, Call, family
+from aot.families import FAMILIES, Call, family, latent_channels, with_latent_channels
 from aot.optimize import optimize_
 from aot.options import Options, Resolution
 from aot.pipeline import load_pipeline
@@ -264,3 +265,31 @@ def test_a_compile_captures_a_longer_prompt_only_where_the_text_length_follows_t
         assert calls[:2] == [(size, "short") for size in sizes]
         assert calls[2:] == ([((1024, 1024), "long")] if row.text_range else [])
         assert row.capture_references == (row.image_input == "required")
+
+
+@pytest.mark.parametrize("folder", [f for f in TINY if pipeline_class(f) in FAMILIES])
+def test_a_row_names_fields_and_inputs_its_published_transformer_has(folder):
+    # tools/bench.py sizes a family's published transformer by the config fields its row names: a
+    # misspelt field would add a key instead of setting one, a misspelt input would widen nothing.
+    import diffusers
+
+    from tools.bench import published_transformer
+
+    row = family(pipeline_class(folder))
+    config = published_transformer(folder.removeprefix("tiny-"))
+    named = [*row.layer_fields, *row.head_fields, *row.text_widths.values(), *filter(None, [row.width_field])]
+    assert [name for name in named if name not in config] == []
+    index = json.loads((ROOT / "assets" / folder / "model_index.json").read_text())
+    forward = getattr(diffusers, index["transformer"][1]).forward
+    assert row.text_widths.keys() <= inspect.signature(forward).parameters.keys()
+
+
+def test_a_vae_config_for_other_latent_channels_keeps_one_statistic_per_channel():
+    qwen = {"z_dim": 4, "latents_mean": [0.1, 0.2, 0.3, 0.4], "latents_std": [1.0] * 4}
+    assert latent_channels(qwen) == 4
+    wider = {"z_dim": 6, "latents_mean": [0.1, 0.2, 0.3, 0.4, 0.1, 0.2], "latents_std": [1.0] * 6}
+    assert with_latent_channels(qwen, 6) == wider and latent_channels(qwen) == 4
+    assert with_latent_channels(qwen, 2) == {"z_dim": 2, "latents_mean": [0.1, 0.2], "latents_std": [1.0] * 2}
+    flux = {"latent_channels": 16, "latents_mean": None}
+    assert latent_channels(flux) == 16
+    assert with_latent_channels(flux, 32) == {"latent_channels": 32, "latents_mean": None}

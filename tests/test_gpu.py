@@ -95,6 +95,7 @@ def test_fp32_pipeline_falls_back_to_sdpa():
 
 def test_cuda_graph_replays_match_plain_steps():
     # Replays must compute what a plain step computes, for each size and after switching sizes.
+    from aot.blocks import unpatch_forward
     from aot.graphs import GraphedStep
     from aot.optimize import optimize_
 
@@ -106,7 +107,7 @@ def test_cuda_graph_replays_match_plain_steps():
     sizes = [(1024, 768), (512, 512), (1024, 768)]
     replayed = [generate(pipe, *size, steps=3).float() for size in sizes]
     assert len(graphed.graphs) == 2 and graphed.failed is None, graphed.failed
-    pipe.transformer.forward = graphed.step
+    assert unpatch_forward(pipe.transformer, GraphedStep) is graphed  # plain steps from here
     for size, actual in zip(sizes, replayed, strict=True):
         error = rel_error(actual, generate(pipe, *size, steps=3).float())
         assert error < 1e-3, f"{size}: graph replay vs plain step {error:.2e}"
@@ -146,7 +147,7 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
 
     pipe = wide_pipeline()
     source = tmp_path / "lora.safetensors"
-    random_lora(pipe.transformer, source)  # rank 16, every attention and MLP layer of the blocks
+    random_lora(pipe, source)  # rank 16, every attention and MLP layer of the blocks
     inputs = step_inputs(pipe, 1024)
 
     def step():

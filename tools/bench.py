@@ -33,9 +33,11 @@ text widths (seeded random values, the same in every scenario): the text encoder
 for the transformer's step, which is what is measured. `--layers N` cuts every block stack to N
 blocks and `--heads N` the attention heads to N (a smoke run on a CPU).
 
-    python bench.py                              # everything, 1024x1024, 28 steps
-    python bench.py --scenarios eager,aot --steps 8
-    python bench.py --family z-image --scenarios eager,all --steps 8
+From the repo root (the engine, aot/, is imported from there):
+
+    python -m tools.bench                              # everything, 1024x1024, 28 steps
+    python -m tools.bench --scenarios eager,aot --steps 8
+    python -m tools.bench --family z-image --scenarios eager,all --steps 8
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ from aot.blocks import (
     probe_cpu_isa_in_background,
     rel_error,
     repeated_blocks,
+    unpatch_forward,
     wait_for_cpu_isa_probe,
 )
 from aot.export import capture, capture_blocks
-from aot.families import family
-from aot.graphs import graph_step_
+from aot.families import family, latent_channels, with_latent_channels
+from aot.graphs import GraphedStep, graph_step_
 from aot.optimize import optimize_
 from aot.options import Options
 from aot.pipeline import load_pipeline
@@ -129,9 +132,8 @@ SCENARIOS = {
 GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["sm120"], ["warm"], ["zerogpu"], ["zerogpu-eager"]]
 GROUPS += [["lora"]]
 ZEROGPU = ("zerogpu", "zerogpu-eager")  # the Space in ZeroGPU mode, compiled (everything auto) and eager
-# The `lora` scenario's LoRA: rank 16 on every attention and MLP layer of both block classes.
+# The `lora` scenario's LoRA: rank 16 on the block layers the family row names (`lora_targets`).
 LORA_RANK = 16
-LORA_TARGETS = ("attn.to_", "attn.add_", "ff.net", "ff_context.net", "proj_mlp", "proj_out")
 PROMPTS = ["a photo of a red fox in fresh snow, morning light", "an isometric pixel-art lighthouse at dusk"]
 RANDOM = "random-flux-dev"
 
@@ -179,17 +181,6 @@ def random_flux_dev_on_cpu():
         pipe = random_flux_dev("cpu")
     fill_random_([pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae], "cpu")
     return pipe
-
-
-# Block stacks `--layers` cuts, and the transformer inputs that carry text embeddings, by the
-# transformer config field that gives their width (FLUX.1, Chroma, FLUX.2, Qwen-Image; Z-Image).
-LAYER_FIELDS = ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers")
-HEAD_FIELDS = ("num_attention_heads", "n_heads", "n_kv_heads")
-TEXT_WIDTHS = {
-    "encoder_hidden_states": "joint_attention_dim",
-    "pooled_projections": "pooled_projection_dim",
-    "cap_feats": "cap_feat_dim",
-}
 
 
 def fill_random_(modules: list[torch.nn.Module], device: str) -> None:
@@ -246,8 +237,8 @@ def family_pipeline(name: str, device: str, layers: int | None = None, heads: in
     The transformer's config is `published_transformer(name)`. The VAE is rebuilt with the latent
     channels that transformer reads (its `in_channels` over the tiny pair's ratio: 4 for 2x2-packed
     FLUX latents); the text encoders' outputs are widened by a forward pre-hook on the transformer
-    (`TEXT_WIDTHS`). `layers` and `heads` cut the block stacks and the attention heads (the width:
-    heads x head dim) for a smoke run on a CPU.
+    (the family row's `text_widths`). `layers` and `heads` cut the block stacks and the attention
+    heads (the width: heads x head dim) for a smoke run on a CPU; the row names their config fields.
 
     Raises:
         ValueError: no such tiny pipeline, or its script has no `PUBLISHED_TRANSFORMER`.
@@ -261,26 +252,23 @@ def family_pipeline(name: str, device: str, layers: int | None = None, heads: in
         raise ValueError(f"--family {name}: no assets/tiny-{name}/; families here: {', '.join(found)}")
     config = published_transformer(name)
     pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    row = family(type(pipe).__name__)
     if layers is not None:
-        config.update({field: layers for field in LAYER_FIELDS if field in config})
+        config.update(dict.fromkeys(row.layer_fields, layers))
     if heads is not None:
-        if "dim" in config:  # Z-Image: the width is its own field
-            config["dim"] = config["dim"] // config["n_heads"] * heads
-        config.update({field: heads for field in HEAD_FIELDS if field in config})
+        if row.width_field:  # the same head dim at fewer heads
+            config[row.width_field] = config[row.width_field] // config[row.head_fields[0]] * heads
+        config.update(dict.fromkeys(row.head_fields, heads))
     tiny_channels, vae_config = pipe.transformer.config.in_channels, dict(pipe.vae.config)
-    latent_field = "z_dim" if "z_dim" in vae_config else "latent_channels"
-    per_latent = tiny_channels // vae_config[latent_field]
+    per_latent = tiny_channels // latent_channels(vae_config)
     with init_empty_weights(include_buffers=False):
         transformer = type(pipe.transformer).from_config(config).to(torch.bfloat16)
-        vae_config[latent_field] = config["in_channels"] // per_latent
-        for stat in ("latents_mean", "latents_std"):  # Qwen-Image's VAE: one value per channel
-            if isinstance(vae_config.get(stat), list):
-                vae_config[stat] = (vae_config[stat] * vae_config[latent_field])[: vae_config[latent_field]]
+        vae_config = with_latent_channels(vae_config, config["in_channels"] // per_latent)
         vae = type(pipe.vae).from_config(vae_config).to(torch.bfloat16)
     fill_random_([transformer, vae], device)
     # A new pipeline object: its constructor derives attributes from the VAE (Qwen-Image-Edit's latent_channels).
     pipe = type(pipe)(**{**pipe.components, "transformer": transformer.eval(), "vae": vae.eval()})
-    widths = {key: config[field] for key, field in TEXT_WIDTHS.items() if field in config}
+    widths = {key: config[field] for key, field in row.text_widths.items()}
     transformer.register_forward_pre_hook(_widen_text(widths, device), with_kwargs=True)
     return pipe.to(device)
 
@@ -411,7 +399,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
                 row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
             else:
                 row["graphs_failed"] = graphed.failed or "the step inputs were refused (graphs._key)"
-                del pipe.transformer.forward
+                unpatch_forward(pipe.transformer, GraphedStep)
     generate(pipe, args.size, 2)  # warm up the text encoders and VAE at this size
     reset_peak()
     row["s_per_image"], latents = generate(pipe, args.size, args.steps)
@@ -454,7 +442,7 @@ def worker(names: list[str], args) -> None:
         try:
             if SCENARIOS[name] is not None:
                 for block in pipe.transformer.modules():  # back to eager blocks, same weights
-                    block.__dict__.pop("forward", None)
+                    unpatch_forward(block)
                 # graphs are applied in `measure`, after the per-block timing (which needs plain steps)
                 options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
                 if name == "all":
@@ -526,21 +514,23 @@ def warm_start(args) -> dict:
     return row
 
 
-def random_lora(transformer: torch.nn.Module, path: Path) -> int:
-    """Write a seeded rank-`LORA_RANK` LoRA for `LORA_TARGETS` inside the repeated blocks to `path`
-    (diffusers' keys, no alpha: scaling 1); returns the number of layers. Its product is about a
-    sixth of a random weight's size: A ~ N(0, 1/in) and B ~ N(0, 0.01/r) give entries of std
-    0.1/sqrt(in), against 0.58/sqrt(in) for a weight drawn uniformly from +-1/sqrt(in)."""
+def random_lora(pipe, path: Path) -> int:
+    """Write a seeded rank-`LORA_RANK` LoRA to `path` for the linear layers in `pipe`'s repeated blocks
+    that its family row's `lora_targets` name (diffusers' keys, no alpha: scaling 1); returns the
+    number of layers. Its product is about a sixth of a random weight's size: A ~ N(0, 1/in) and
+    B ~ N(0, 0.01/r) give entries of std 0.1/sqrt(in), against 0.58/sqrt(in) for a weight drawn
+    uniformly from +-1/sqrt(in)."""
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(1)
+    transformer, targets = pipe.transformer, family(type(pipe).__name__).lora_targets
     blocks = {id(b) for found in repeated_blocks(transformer).values() for b in found}
     tensors = {}
     for where, block in transformer.named_modules():
         if id(block) not in blocks:
             continue
         for sub, layer in block.named_modules():
-            if isinstance(layer, torch.nn.Linear) and sub.startswith(LORA_TARGETS):
+            if isinstance(layer, torch.nn.Linear) and sub.startswith(targets):
                 a = torch.randn(LORA_RANK, layer.in_features, generator=generator) / layer.in_features**0.5
                 b = torch.randn(layer.out_features, LORA_RANK, generator=generator) * (0.01 / LORA_RANK) ** 0.5
                 tensors[f"transformer.{where}.{sub}.lora_A.weight"] = a.to(torch.bfloat16)
@@ -558,7 +548,7 @@ def lora_switching(args) -> dict:
     work = Path(args.work)
     pipe = build(args)
     source = work / "random-lora.safetensors"
-    row = {"scenario": "lora", "cold": True, "lora_layers": random_lora(pipe.transformer, source)}
+    row = {"scenario": "lora", "cold": True, "lora_layers": random_lora(pipe, source)}
     pipe.load_lora_weights(str(source), adapter_name="random")
     _, reference = generate(pipe, args.size, args.steps)  # eager + peft's LoRA layers
     pipe.unload_lora_weights()  # plain layers again, base weights untouched (nothing was fused)
@@ -591,8 +581,8 @@ def zerogpu_start(args, name: str) -> dict:
     zerogpu_harness.py (run_group starts it so): CUDA is emulated here, GPU work runs in workers.
 
     isa_probe_s: the CPU ISA probe, finished here before the first fork (a Space overlaps it with
-    loading the weights). ready_s: `import app` (the startup call compiles in a worker and returns
-    the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
+    loading the weights). ready_s: `app.start` and `app.ui` (the startup call compiles in a worker and
+    returns the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
     worker before each), median of `NEW_WORKERS`, and of it, in this process: generate_s
     (`Space.generate`: the request's checks and the GPU call) and infer_s (the GPU call: asking for

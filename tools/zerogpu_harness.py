@@ -1,9 +1,9 @@
-"""Run the Space in ZeroGPU mode on your own machine, before you push it.
+"""Run the Space in ZeroGPU mode on your own machine, before you push it. From the repo root:
 
-    python zerogpu_harness.py app.py                 # a GPU box: real spaces, real forks, real CUDA
-    python zerogpu_harness.py --cpu app.py           # no GPU: the worker computes on the CPU
-    python zerogpu_harness.py --cold app.py          # every call gets a new worker (ZeroGPU reclaimed it)
-    python zerogpu_harness.py --gpus 3 app.py        # three visitors' GPU calls at once, each in its worker
+    python tools/zerogpu_harness.py app.py           # a GPU box: real spaces, real forks, real CUDA
+    python tools/zerogpu_harness.py --cpu app.py     # no GPU: the worker computes on the CPU
+    python tools/zerogpu_harness.py --cold app.py    # every call gets a new worker (ZeroGPU reclaimed it)
+    python tools/zerogpu_harness.py --gpus 3 app.py  # three visitors' GPU calls at once, each in its worker
 
 It starts a stand-in for ZeroGPU's device API on 127.0.0.1 and runs the command with the real
 `spaces` package in ZeroGPU mode (`SPACES_ZERO_GPU=true`): the main process sees emulated CUDA,
