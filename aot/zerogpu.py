@@ -12,8 +12,8 @@ What runs where, in this template:
     main process (never initialises CUDA)           GPU worker
     ---------------------------------------------   -------------------------------------------------
     load the weights (`.to("cuda")`: emulated);     startup (`compile._load_or_compile`): the text
-    torch's CPU ISA probe, finished before the      encoders' FP8 trial, then the card's plan of
-    first fork (`blocks.wait_for_cpu_isa_probe`)     trials (attention, FP8), load + verify saved
+    no CPU ISA probe (a CUDA compile needs none:    encoders' FP8 trial, then the card's plan of
+    `blocks.needs_cpu_isa_probe`)                    trials (attention, FP8), load + verify saved
                                                      packages or capture + export + compile; only
                                                      the packages (bytes) and decisions cross back
     apply_: FP8-quantize the blocks' and the text
