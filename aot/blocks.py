@@ -386,22 +386,16 @@ def cpu_isa_scope(device: torch.device) -> Iterator[None]:
 
     No vector ISA: Inductor's `cpp.vec_isa_ok = False`, under which `cpu_vec_isa.pick_vec_isa` builds
     no test program, and `cpp.simdlen = 0`, so that it picks none also in a process that probed
-    before. Torch keeps the probed list per process (`valid_vec_isa_list`); the empty one made here
-    is dropped on the way out, so that a later CPU compile in this process still probes.
+    before. Torch keeps its answers per process (`valid_vec_isa_list`, each ISA's `__bool__`): where
+    the first is made in here, a later CPU compile in this process gets no vector ISA either (a
+    process compiles for one device).
     """
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
     if needs_cpu_isa_probe(device):
         probe_cpu_isa_in_background().join()
         yield
         return
-    fresh = valid_vec_isa_list.cache_info().currsize == 0
-    try:
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": False, "cpp.simdlen": 0}):
-            yield
-    finally:
-        if fresh:
-            valid_vec_isa_list.cache_clear()
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False, "cpp.simdlen": 0}):
+        yield
 
 
 def built_cpu_isa() -> str:
