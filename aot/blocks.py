@@ -8,6 +8,7 @@ AOTInductor checks no input shapes, so every call is checked against the `Contra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
@@ -17,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -365,14 +366,60 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def needs_cpu_isa_probe(device: torch.device) -> bool:
+    """Whether compiling packages for `device` needs Inductor's CPU vector-ISA probe
+    (`probe_cpu_isa_in_background`): the one rule, read wherever the probe is started or joined.
+
+    On a CPU the package's kernels are C++, vectorized for the ISA the probe finds. For CUDA the
+    package's C++ is the wrapper that launches the GPU kernels, which the ISA's vector code does not
+    speed up, so a CUDA compile skips the probe and its tens of seconds per process (BENCHMARKS.md):
+    `cpu_isa_scope` compiles it with Inductor's `cpp.vec_isa_ok = False`. What a package needs of a
+    CPU is recorded either way (`built_cpu_isa`).
+    """
+    return device.type != "cuda"
+
+
+@contextlib.contextmanager
+def cpu_isa_scope(device: torch.device) -> Iterator[None]:
+    """Compile packages for `device` inside this: after the probe (joined here) where
+    `needs_cpu_isa_probe`, else with no vector ISA.
+
+    No vector ISA: Inductor's `cpp.vec_isa_ok = False`, under which `cpu_vec_isa.pick_vec_isa` builds
+    no test program, and `cpp.simdlen = 0`, so that it picks none also in a process that probed
+    before. Torch keeps its answers per process (`valid_vec_isa_list`, each ISA's `__bool__`): where
+    the first is made in here, a later CPU compile in this process gets no vector ISA either (a
+    process compiles for one device).
+    """
+    if needs_cpu_isa_probe(device):
+        probe_cpu_isa_in_background().join()
+        yield
+        return
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False, "cpp.simdlen": 0}):
+        yield
+
+
+def built_cpu_isa() -> str:
+    """What the fingerprint records as the packages' CPU ISA (`cpu_isa`, `packages.cpu_isa_problem`):
+    this CPU's vector extensions in torch's names, e.g. `avx2 avx512 avx512_vnni`; "" for none or
+    another architecture.
+
+    Inductor builds every package's C++ with `-march=native` (torch 2.11,
+    `cpp_builder._get_optimization_cflags`), with or without a vector ISA, so the compiler may use
+    any extension of this CPU, in a CUDA package's wrapper too (AVX-512 on the H200 host,
+    BENCHMARKS.md). `x86_isa_checker` asks the CPU: no test builds.
+    """
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    return " ".join(x86_isa_checker())
+
+
 def probe_cpu_isa_in_background() -> threading.Thread:
     """Start Inductor's CPU vector-ISA probe on a thread (once per process); returns it.
 
-    Compiling a package needs it (AOTInductor builds the package's C++ wrapper with the host's
-    vector flags, `cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test
-    programs, each load in a child Python: tens of seconds on a GPU host (see BENCHMARKS.md), so
-    `load_pipeline` starts it beside loading the weights when it will compile; `compile_blocks`
-    joins it.
+    A compile for a CPU needs it (`needs_cpu_isa_probe`): Inductor picks the package's vector flags
+    with it (`cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test programs,
+    each load in a child Python (see BENCHMARKS.md), so `load_pipeline` starts it beside loading
+    the weights when it will compile for a CPU; `cpu_isa_scope` joins it.
     Loading a package does not need it (`load_runner`).
     """
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
@@ -409,7 +456,7 @@ def load_runner(package: bytes) -> Any:
     warns on a mismatch, and it runs the CPU ISA probe (`probe_cpu_isa_in_background`), which takes
     far longer than the load (see BENCHMARKS.md). Packages are checked before they get here
     instead (`packages.load_packages`): the CPU architecture, CUDA and compute capability must
-    match, and this CPU must have every flag of the vector ISA the packages were built for; a set
+    match, and this CPU must have every vector extension of the CPU they were built on; a set
     that fails is refused, not warned about.
 
     The loader extracts the package into a new folder `/tmp/<random>/` (whatever TMPDIR says; torch

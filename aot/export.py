@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import torch
-from torch._inductor.cpu_vec_isa import pick_vec_isa
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
@@ -27,9 +26,10 @@ from aot.blocks import (
     Compiled,
     Contract,
     bind,
+    built_cpu_isa,
     contract_from_captures,
+    cpu_isa_scope,
     forward_signature,
-    probe_cpu_isa_in_background,
     rel_error,
     repeated_blocks,
 )
@@ -221,7 +221,6 @@ def compile_blocks(
         (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
         for (size, _), c in zip(wanted, captures, strict=True)
     ]
-    probe_cpu_isa_in_background().join()  # Inductor needs it; usually done while the weights loaded
     image_range = row.image_range(resolution)
     classes = {}
     for name, block in firsts.items():
@@ -233,15 +232,16 @@ def compile_blocks(
         classes[name] = (block, kwargs, contract, reference)
 
     walked = list(trials.skipped)
-    for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
-        try:
-            packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
-            break
-        except Exception as exc:
-            if kernel == kernels[-1]:
-                raise
-            walked.append(f"{kernel} failed its trial ({brief(exc)})")
-            log.warning("attention: %s", walked[-1])
+    with cpu_isa_scope(transformer.device):  # the probe's vector ISA, or none for CUDA (blocks.needs_cpu_isa_probe)
+        for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
+            try:
+                packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
+                break
+            except Exception as exc:
+                if kernel == kernels[-1]:
+                    raise
+                walked.append(f"{kernel} failed its trial ({brief(exc)})")
+                log.warning("attention: %s", walked[-1])
     origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
     attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
     origin = f"plan {plan.name}" if options.fp8_granularity == "auto" else f"fp8_granularity={options.fp8_granularity}"
@@ -250,7 +250,7 @@ def compile_blocks(
     log.info("%s", attention)
     log.info("%s", fp8)
     valid_for = fingerprint(transformer, resolution, attention, fp8, options)
-    valid_for["cpu_isa"] = str(pick_vec_isa())  # what the packages' C++ is built for (packages.cpu_isa_problem)
+    valid_for["cpu_isa"] = built_cpu_isa()  # what the packages' C++ may use (packages.cpu_isa_problem)
     fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 

@@ -8,9 +8,10 @@ Layout (what `spaces.aoti_blocks_load(transformer, repo_id, variant=...)` reads)
 The variant names the graph-changing choices, e.g. `fa3-fp8row-512-1536`. The fingerprint
 records what a package is valid for: library versions, CPU architecture, CUDA and compute
 capability, dtype, size range, attention and FP8 choices, and per block class its forward signature
-and weight names, shapes and dtypes; plus the CPU vector ISA its C++ was built for. A package is
-used only when every field matches here, this CPU has that ISA, and its bytes match the recorded
-SHA-256, so a stale, truncated or foreign package never reaches the native loader.
+and weight names, shapes and dtypes; plus the vector extensions of the CPU it was built on, which its
+C++ may use. A package is used only when every field matches here, this CPU has those extensions,
+and its bytes match the recorded SHA-256, so a stale, truncated or foreign package never reaches
+the native loader.
 A save writes the new set beside the folder and swaps it in with two renames, so no reader sees a
 half-written set.
 Neither weights nor tokens are written. (AOTInductor itself embeds its build command, with the
@@ -80,7 +81,8 @@ def fingerprint(
         "diffusers": diffusers.__version__,
         "kernels": kernels.__version__,
         "device": device_name,
-        # Each package holds C++ for this architecture; `compile_blocks` adds the vector ISA ("cpu_isa").
+        # Each package holds C++ for this architecture; `compile_blocks` adds this CPU's vector
+        # extensions ("cpu_isa", blocks.built_cpu_isa).
         "machine": platform.machine(),
         "dtype": dtype_name(transformer.dtype),
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
@@ -127,8 +129,9 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
 
 
 def cpu_isa_problem(cpu_isa: str) -> str | None:
-    """Why this CPU cannot run C++ built for `cpu_isa` (Inductor's vector ISA at compile time, e.g.
-    `avx512 avx512_vnni`), or None.
+    """Why this CPU cannot run C++ built for `cpu_isa`, or None. `cpu_isa` names vector extensions
+    in torch's words: the building CPU's (`blocks.built_cpu_isa`, e.g. `avx2 avx512 avx512_vnni`;
+    "" for none) or, in older packages, Inductor's vector ISA (e.g. `avx512 avx512_vnni`).
 
     Torch's own rule for a usable ISA (`cpu_vec_isa.valid_vec_isa_list`): every flag of it is in
     `x86_isa_checker()`, which asks the CPU (under a millisecond; no test builds). Other

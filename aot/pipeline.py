@@ -11,6 +11,7 @@ import torch
 
 from aot import lora
 from aot.blocks import (
+    needs_cpu_isa_probe,
     probe_cpu_isa_in_background,
 )
 from aot.families import family, vae_scale_factor
@@ -36,10 +37,10 @@ def load_pipeline(options: Options) -> Any:
     paths this machine cannot run, a push target without a token, a pipeline class that is not
     supported, the side range against the model's pixel step (read from its VAE config), a save
     folder that cannot be written, a Hub that cannot be reached, a model too large for a machine
-    without CUDA. Beside the weights it starts the CPU ISA probe a compile needs
-    (`probe_cpu_isa_in_background`), unless nothing is compiled (`--no-compile`) or packages are to
-    be loaded (`AOT_LOAD`, which does not need it; if they are then refused, the compile waits for
-    the probe: its time per host is in BENCHMARKS.md).
+    without CUDA. Beside the weights it starts the CPU ISA probe a compile for a CPU needs
+    (`blocks.needs_cpu_isa_probe`; a CUDA compile skips it), unless nothing is compiled
+    (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does not need it; if they are
+    then refused, the compile waits for the probe).
 
     Raises:
         RuntimeError: the model cannot be fetched, it is too large to run without CUDA, its
@@ -87,8 +88,8 @@ def load_pipeline(options: Options) -> Any:
             )
     vae = _model_config(getattr(diffusers, index["vae"][1]), options.model, "vae")
     options.resolution(vae_scale_factor=vae_scale_factor(vae))
-    if options.compile and not options.load:
-        probe_cpu_isa_in_background()  # a compile needs it; it overlaps with loading the weights
+    if options.compile and not options.load and needs_cpu_isa_probe(device):
+        probe_cpu_isa_in_background()  # it overlaps with loading the weights
     pipe = getattr(diffusers, pipeline_class).from_pretrained(options.model, dtype=dtype).to(device)
     if options.lora_specs:
         lora.fuse_(pipe, list(options.lora_specs))

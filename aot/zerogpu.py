@@ -12,8 +12,8 @@ What runs where, in this template:
     main process (never initialises CUDA)           GPU worker
     ---------------------------------------------   -------------------------------------------------
     load the weights (`.to("cuda")`: emulated);     startup (`optimize._load_or_compile`): the
-    torch's CPU ISA probe, finished before the      text encoders' FP8 trial, then the card's plan
-    first fork (`blocks.wait_for_cpu_isa_probe`)     of trials (attention, FP8), load + verify saved
+    no CPU ISA probe (a CUDA compile needs none:    text encoders' FP8 trial, then the card's plan
+    `blocks.needs_cpu_isa_probe`)                    of trials (attention, FP8), load + verify saved
                                                      packages or capture + export + compile; only
                                                      the packages (bytes) and decisions cross back
     apply_: FP8-quantize the blocks' and the text

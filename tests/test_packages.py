@@ -19,10 +19,9 @@ import pytest
 import torch
 from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
-from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from aot import packages
-from aot.blocks import rel_error
+from aot.blocks import built_cpu_isa, rel_error
 from aot.fast_paths import Trials
 from aot.optimize import optimize_
 from aot.packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
@@ -50,7 +49,7 @@ def test_layout_is_what_spaces_reads_and_holds_no_weights_or_paths(saved):
         [f"config.{VARIANT}.json", *(f"{c}.{VARIANT}" for c in CLASSES)]
     )
     config = (saved / f"config.{VARIANT}.json").read_text()
-    assert json.loads(config)["fingerprint"]["cpu_isa"] == str(pick_vec_isa())  # what Inductor built for
+    assert json.loads(config)["fingerprint"]["cpu_isa"] == built_cpu_isa()  # this CPU's vector extensions
     for private in (str(ROOT), str(Path.home()), str(saved), "/tmp/"):
         assert private not in config
     for block in CLASSES:
@@ -140,6 +139,15 @@ BREAKAGES = {
         r"lists block classes \['FluxTransformerBlock', 'RenamedBlock'\]",
     ),
 }
+
+
+def test_packages_that_need_no_vector_extension_load_on_this_cpu(copy):
+    # "" is what a CPU without vector extensions records (blocks.built_cpu_isa).
+    assert packages.cpu_isa_problem("") is None
+    _edit_fingerprint(copy, cpu_isa="")
+    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    assert compiled.fingerprint["cpu_isa"] == ""
 
 
 @pytest.mark.parametrize("kind", BREAKAGES)

@@ -13,8 +13,9 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     s / image    one generation: text encoders + all steps + VAE decode
     ready s      compile: regional compile from scratch (* = second compile in its process);
                  warm start: load + verify + apply the saved packages and run the first step
-    ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process (a Space
-                 runs it while loading the weights; not part of ready s; blocks.probe_cpu_isa_in_background)
+    ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process where the
+                 compile needs it (on a CPU; blocks.needs_cpu_isa_probe), - on CUDA; a Space runs it
+                 while loading the weights; not part of ready s
     peak GiB     peak allocated GPU memory during that generation
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
@@ -61,11 +62,11 @@ import torch
 
 from aot.blocks import (
     forward_signature,
+    needs_cpu_isa_probe,
     probe_cpu_isa_in_background,
     rel_error,
     repeated_blocks,
     unpatch_forward,
-    wait_for_cpu_isa_probe,
 )
 from aot.export import capture, capture_blocks
 from aot.families import family, latent_channels, with_latent_channels
@@ -410,15 +411,17 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
 
 def build(args, load: str | None = None):
     """The pipeline to measure, loaded as `load_pipeline` loads it: with the CPU ISA probe a compile
-    needs running beside, unless packages are to be loaded from `load` (a warm start)."""
+    for a CPU needs running beside, unless packages are to be loaded from `load` (a warm start)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    probe = not load and needs_cpu_isa_probe(torch.device(device))
     if args.family:
-        if not load:
+        if probe:
             probe_cpu_isa_in_background()
-        return family_pipeline(args.family, "cuda" if torch.cuda.is_available() else "cpu", args.layers, args.heads)
+        return family_pipeline(args.family, device, args.layers, args.heads)
     if args.model == RANDOM:
-        if not load:
+        if probe:
             probe_cpu_isa_in_background()
-        return random_flux_dev("cuda" if torch.cuda.is_available() else "cpu")
+        return random_flux_dev(device)
     return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
 
@@ -447,9 +450,10 @@ def worker(names: list[str], args) -> None:
                 options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
                 if name == "all":
                     options = dataclasses.replace(options, save=str(work / "packages"))
-                start = time.perf_counter()
-                probe_cpu_isa_in_background().join()  # once per process; a Space overlaps it with loading weights
-                row["isa_probe_s"] = time.perf_counter() - start
+                if needs_cpu_isa_probe(pipe.transformer.device):
+                    start = time.perf_counter()
+                    probe_cpu_isa_in_background().join()  # once per process; a Space overlaps it with the weights
+                    row["isa_probe_s"] = time.perf_counter() - start
                 start = time.perf_counter()
                 report = optimize_(pipe, options)
                 row["ready_s"], row["cold"] = time.perf_counter() - start, compiles == 0
@@ -552,7 +556,8 @@ def lora_switching(args) -> dict:
     pipe.load_lora_weights(str(source), adapter_name="random")
     _, reference = generate(pipe, args.size, args.steps)  # eager + peft's LoRA layers
     pipe.unload_lora_weights()  # plain layers again, base weights untouched (nothing was fused)
-    probe_cpu_isa_in_background().join()
+    if needs_cpu_isa_probe(pipe.transformer.device):
+        probe_cpu_isa_in_background().join()
     start = time.perf_counter()
     report = optimize_(pipe, Options.from_env())
     row["ready_s"] = time.perf_counter() - start
@@ -580,9 +585,8 @@ def zerogpu_start(args, name: str) -> dict:
     AOT_COMPILE=0, which run_group sets); this process is the Space's main process, under
     zerogpu_harness.py (run_group starts it so): CUDA is emulated here, GPU work runs in workers.
 
-    isa_probe_s: the CPU ISA probe, finished here before the first fork (a Space overlaps it with
-    loading the weights). ready_s: `app.start` and `app.ui` (the startup call compiles in a worker and
-    returns the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
+    ready_s: `app.start` and `app.ui` (the startup call compiles in a worker and returns
+    the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
     worker before each), median of `NEW_WORKERS`, and of it, in this process: generate_s
     (`Space.generate`: the request's checks and the GPU call) and infer_s (the GPU call: asking for
@@ -606,15 +610,10 @@ def zerogpu_start(args, name: str) -> dict:
     logging.getLogger("zerogpu").addHandler(handler)
     row = {"scenario": name, "cold": True}
     if args.model == RANDOM:
-        if name == "zerogpu":
-            probe_cpu_isa_in_background()  # as load_pipeline does
         pipe = random_flux_dev_on_cpu().to("cuda")  # emulated CUDA tensors: the weights stay in this process
     else:
         env = {**os.environ, "MODEL_ID": args.model, "AOT_COMPILE": str(int(name == "zerogpu"))}
         pipe = load_pipeline(Options.from_env(environ=env))
-    start = time.perf_counter()
-    wait_for_cpu_isa_probe()
-    row["isa_probe_s"] = time.perf_counter() - start
     start = time.perf_counter()
     import app
 
@@ -818,8 +817,8 @@ def zerogpu_table(rows: list[dict]) -> list[str]:
         lines.append(
             f"\nzerogpu vs zerogpu-eager: new worker {aot['new_worker_s'] / eager['new_worker_s']:.2f}x the time, "
             f"warm step {eager['step_ms'] / aot['step_ms']:.2f}x faster, {aot['moved_gb'] / eager['moved_gb']:.2f}x "
-            f"the bytes; AoT-only part of a new worker {aot['new_aot_s']:.3f} s; startup {aot['ready_s']:.1f} s "
-            f"(ISA probe before it {aot['isa_probe_s']:.1f} s), launch (packs the weights) {aot['launch_s']:.1f} s"
+            f"the bytes; AoT-only part of a new worker {aot['new_aot_s']:.3f} s; startup {aot['ready_s']:.1f} s, "
+            f"launch (packs the weights) {aot['launch_s']:.1f} s"
         )
     return lines
 
