@@ -5,7 +5,6 @@ granularity is a trial (export, compile, load, parity against eager) that falls 
 with its reason; only the plain bf16 SDPA block has no fallback.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -319,7 +318,6 @@ def _compile_classes(
     return {name: bf16(name) for name in classes}, None, walk + ["bf16"] * bool(granularities)
 
 
-
 def _compile_class(
     name: str,
     block: torch.nn.Module,
@@ -365,5 +363,3 @@ def _compile_class(
         compile_s=compile_s,
         rel_error=error,
     )
-
-

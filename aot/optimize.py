@@ -7,7 +7,6 @@ and FP8 decisions are made on the real card there, and only the small packages c
 call, inside the request's worker. zerogpu.py has the whole map of what runs where.
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -109,5 +108,3 @@ def _load_or_compile(options: Options) -> Compiled:
     compiled = compiled or compile_blocks(_pipeline, options, _target, trials)
     compiled.text_fp8 = text
     return compiled
-
-

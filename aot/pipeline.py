@@ -1,6 +1,5 @@
 """`load_pipeline`: a diffusers pipeline from a folder or the Hub, checked before any weight loads."""
 
-
 from __future__ import annotations
 
 import logging
@@ -127,5 +126,3 @@ def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]
         return cls.load_config(model, subfolder=subfolder)
     except OSError as exc:
         raise RuntimeError(f"cannot load {model!r} ({exc}). {advice}") from exc
-
-

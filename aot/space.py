@@ -114,8 +114,6 @@ def _image_problem(payload: Any) -> str | None:
     return f"has {pixels / 1e6:.0f} megapixels" if pixels > MAX_IMAGE_PIXELS else None
 
 
-
-
 class Space:
     """One model served: its replicas (`replicas.Replicas`) and the facts every request needs,
     worked out once at `start`.

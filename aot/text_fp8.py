@@ -353,7 +353,6 @@ def _outputs(encoder: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-
 def apply_(pipe: Any, trial: TextFP8 | Mapping[str, Sequence[str]]) -> dict[str, int]:
     """Quantize exactly the layers `trial` (a `TextFP8`, or its `layers`: component -> layer paths)
     keeps in FP8, in place, without running anything: for a ZeroGPU main process after the trial
