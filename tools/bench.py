@@ -630,7 +630,10 @@ def zerogpu_start(args, name: str) -> dict:
     reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
     served = {"generate": timed(space, "generate"), "infer": timed(space, "_infer")}  # this process's part
 
+    on_new: list[bool] = []  # per request, in order: whether it ran on a new worker
+
     def request(steps: int, new_worker: bool = False) -> float:
+        on_new.append(new_worker)
         if new_worker:
             urllib.request.urlopen(reclaim, timeout=30).close()  # the harness kills the GPU worker
         begin = time.perf_counter()
@@ -638,15 +641,13 @@ def zerogpu_start(args, name: str) -> dict:
         return time.perf_counter() - begin
 
     new = [request(args.steps, new_worker=True)]
-    on_new = [0]  # which requests ran on a new worker, in order
     row["s_per_image"] = statistics.median(request(args.steps) for _ in range(2))
     short = statistics.median(request(2) for _ in range(2))
     row["step_ms"] = (row["s_per_image"] - short) / (args.steps - 2) * 1e3
-    on_new += range(5, 5 + NEW_WORKERS - 1)
     new += [request(args.steps, new_worker=True) for _ in range(NEW_WORKERS - 1)]
     row["new_worker_s"] = statistics.median(new)
     for part, seconds in served.items():  # where a new worker's request spends its time in this process
-        row[f"new_{part}_s"] = statistics.median(seconds[i] for i in on_new)
+        row[f"new_{part}_s"] = statistics.median(t for t, fresh in zip(seconds, on_new, strict=True) if fresh)
     urllib.request.urlopen(reclaim, timeout=30).close()
     lines = [json.loads(line.split(" ", 1)[1]) for line in calls.read_text().splitlines() if "zerogpu-call" in line]
     infer = [line for line in lines if line["fn"] == "infer"]
