@@ -453,3 +453,39 @@ def attention_head_dim(transformer: torch.nn.Module) -> int:
         if hasattr(module, "to_q") and hasattr(module, "heads"):
             return module.to_q.out_features // module.heads
     raise ValueError(f"{type(transformer).__name__}: no attention_head_dim in its config and no attention module")
+
+
+def graph_safe_(transformer: torch.nn.Module) -> list[str]:
+    """Remove, in place, what in a model's own step keeps it from running as a CUDA graph, without
+    changing what it computes; returns the paths of the modules changed.
+
+    A capture refuses a copy from host memory that is not pinned (and a pinned one would be read
+    again at every replay, from wherever that memory then is). Chroma's time embedding makes
+    `torch.tensor([0] * batch)` on the host at every step and copies its `Timesteps` projection to
+    the GPU (diffusers 0.42.1, `ChromaCombinedTimestepTextProjEmbeddings.forward`); here those zeros
+    are made on the module's own device instead. No other family's step copies from the host after
+    its first step (tests/test_host_copies.py checks every tiny family)."""
+    changed = []
+    for path, module in transformer.named_modules():
+        if type(module).__name__ == "ChromaCombinedTimestepTextProjEmbeddings":
+            if not isinstance(module.guidance_proj, _ZerosOnDevice):
+                module.guidance_proj = _ZerosOnDevice(module.guidance_proj, module.mod_proj.device)
+            changed.append(f"{path}.guidance_proj")
+    return changed
+
+
+class _ZerosOnDevice(torch.nn.Module):
+    """`proj` (a weightless module such as diffusers' `Timesteps`) whose all-zero host input is made
+    on the device instead: the same values, no host-to-device copy. Any other input goes to `proj`
+    as it is. The empty `anchor` buffer moves with the model and says where the device is."""
+
+    def __init__(self, proj: torch.nn.Module, device: torch.device):
+        super().__init__()
+        self.proj = proj
+        # `.to(device)`, not `device=`: in a ZeroGPU main process only `.to` makes an (emulated) CUDA tensor
+        self.register_buffer("anchor", torch.empty(0).to(device), persistent=False)
+
+    def forward(self, timesteps: torch.Tensor) -> torch.Tensor:
+        if timesteps.device.type == "cpu" and not timesteps.any():  # a host tensor: no GPU sync to read it
+            timesteps = torch.zeros(timesteps.shape, dtype=timesteps.dtype, device=self.anchor.device)
+        return self.proj(timesteps)

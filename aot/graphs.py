@@ -29,6 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aot.blocks import COSTS, forward_signature, patch_forward, rel_error
+from aot.families import graph_safe_
 
 log = logging.getLogger("graphs")
 
@@ -151,7 +152,11 @@ def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tu
 
 
 def graph_step_(transformer: torch.nn.Module, strict: bool = False) -> GraphedStep:
-    """Patch `transformer.forward` in place to run through CUDA graphs; returns the patch."""
+    """Patch `transformer.forward` in place to run through CUDA graphs (after `families.graph_safe_`
+    removes what in its step a capture refuses); returns the patch."""
+    fixed = graph_safe_(transformer)
+    if fixed:
+        log.info("made capturable: %s", ", ".join(fixed))
     graphed = GraphedStep(transformer, strict)
     patch_forward(transformer, graphed)
     return graphed
