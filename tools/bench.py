@@ -303,16 +303,19 @@ def _widen_text(widths: dict[str, int], device: str):
 REFERENCE = False
 
 
-def pipe_call(pipe, size: int, steps: int) -> dict:
-    """The keyword arguments of the app's call at size x size (families.py): an input image for edit families."""
+def pipe_call(pipe, size: int, steps: int | None) -> dict:
+    """The keyword arguments of the app's call at size x size (families.py): an input image for edit
+    families; `steps` None: the family's `capture_steps`."""
     row = family(type(pipe).__name__)
     return row.capture_call(pipe, PROMPTS[0], size, size, steps, reference=REFERENCE)
 
 
 def step_inputs(pipe, size: int) -> dict:
-    """The transformer's real inputs for one denoising step at size x size."""
+    """The transformer's real inputs for its first denoising step at size x size, from a call of the
+    family's `capture_steps` (Qwen-Image's scheduler gives a NaN timestep in a call of one step: its
+    step's output is NaN, and a CUDA graph's check replay cannot match it)."""
     with capture({"transformer": pipe.transformer}) as calls:
-        pipe(**pipe_call(pipe, size, 1), output_type="latent")
+        pipe(**pipe_call(pipe, size, None), output_type="latent")
     return calls["transformer"][1]
 
 
