@@ -118,7 +118,8 @@ def ui(space: Space) -> gr.Blocks:
                 controls["width"] = named(gr.Slider(lo, hi, value=side, step=step, label="Width"), sides)
                 controls["height"] = named(gr.Slider(lo, hi, value=side, step=step, label="Height"), sides)
             controls["num_inference_steps"] = named(
-                gr.Slider(1, MAX_STEPS, value=space.default_steps, step=1, label="Steps"), f"1 to {MAX_STEPS}"
+                gr.Slider(family.min_steps, MAX_STEPS, value=space.default_steps, step=1, label="Steps"),
+                space.steps_allowed,
             )
             guidance = gr.Slider(
                 0.0, MAX_GUIDANCE, value=space.default_guidance, step=0.1, label="Guidance", visible=space.guided

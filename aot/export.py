@@ -107,7 +107,7 @@ def capture_blocks(
 
     Each call is the one the app makes (`families.Family.call`: keyword arguments, the family's
     text length, guidance where the model takes it, an input image of the output size for an edit
-    family), with the family's `capture_steps`, stopped at latents. `row`: the pipeline's family
+    family), with the family's `min_steps`, stopped at latents. `row`: the pipeline's family
     row (`Target.family`), looked up when not given.
 
     Raises:

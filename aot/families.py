@@ -62,7 +62,9 @@ class Family:
         reference for an output of (height, width); None: the output's size. Qwen-Image-Edit resizes
         it to about 1 MP at the output's aspect ratio (diffusers' `calculate_dimensions`).
     call_kwargs: fixed call arguments (the text length the blocks are compiled for).
-    capture_steps: denoising steps of a capture call (>= 2 where one step gives NaN timesteps).
+    min_steps: the fewest denoising steps that give a finite image: Qwen-Image's scheduler gives a
+        NaN timestep for one step (so a NaN step and image). Requests of fewer are refused, and a
+        capture call takes this many.
     text_rule: "padded" (text length fixed at `max_sequence_length`) or "prompt" (it follows the
         prompt: a dynamic dimension of `text_range`).
     text_input: the transformer's keyword argument holding the prompt's embeddings, [..., L, dim]:
@@ -102,7 +104,7 @@ class Family:
     reference_kwargs: dict[str, Any] = field(default_factory=dict)
     reference_size: Callable[[int, int], tuple[int, int]] | None = None
     call_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_sequence_length": 512})
-    capture_steps: int = 1
+    min_steps: int = 1
     tokenizer: str | None = None
     truncates: bool = True
     text_rule: str = "padded"
@@ -237,7 +239,7 @@ class Family:
         self, pipe: Any, prompt: str, height: int, width: int, steps: int | None = None, reference: bool = False
     ) -> dict[str, Any]:
         """The keyword arguments of a capture or benchmark call (`call` with the family's default
-        guidance and `capture_steps` unless `steps` is given). A fixed input image of the output
+        guidance and `min_steps` unless `steps` is given). A fixed input image of the output
         size goes in where one is required, or asked for with `reference` where it is optional; an
         optional image is captured without one (`image_range` covers both).
 
@@ -252,7 +254,7 @@ class Family:
 
             pixels = torch.arange(height * width * 3, dtype=torch.int64).reshape(height, width, 3) % 251
             image = Image.fromarray(pixels.to(torch.uint8).numpy())
-        steps = self.capture_steps if steps is None else steps
+        steps = self.min_steps if steps is None else steps
         request = Call(prompt, height, width, steps, self.defaults(pipe)[1], image)
         return self.call(pipe, request)
 
@@ -334,7 +336,7 @@ FAMILIES: dict[str, Family] = {
             50,
             4.0,
             call_kwargs={"max_sequence_length": 512, "negative_prompt": " "},
-            capture_steps=2,
+            min_steps=2,
             tokenizer="tokenizer",
             text_rule="prompt",
             controls=("negative_prompt",),
@@ -351,7 +353,7 @@ FAMILIES: dict[str, Family] = {
             image_input="required",
             reference_size=_qwen_edit_reference,
             call_kwargs={"max_sequence_length": 512, "negative_prompt": " "},
-            capture_steps=2,
+            min_steps=2,
             tokenizer="tokenizer",
             truncates=False,
             text_rule="prompt",

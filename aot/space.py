@@ -120,6 +120,7 @@ class Space:
 
     family: the pipeline's row (families.py); resolution: the side range (`options.Resolution`);
     guided: whether the model takes guidance; default_steps, default_guidance: the UI's defaults;
+    steps_allowed: the steps a request may ask for, in words (from the family's `min_steps` to `MAX_STEPS`);
     loras: what a request may pick ("none" first); status: one line on what was compiled and how.
     """
 
@@ -129,6 +130,9 @@ class Space:
         self.family, self.resolution = target.family, target.resolution
         self.guided = self.family.guided(pipe)
         self.default_steps, self.default_guidance = self.family.defaults(pipe)
+        self.steps_allowed = f"a whole number from {self.family.min_steps} to {MAX_STEPS}" + (
+            f" ({self.family.label}'s scheduler gives a NaN image for fewer)" if self.family.min_steps > 1 else ""
+        )
         self.edits = self.family.image_input == "required"  # an input image must be given; "optional": it may be
         # Counts a prompt's tokens for the truncation note (None: the family names no tokenizer, no note).
         self.tokenizer = getattr(pipe, self.family.tokenizer) if self.family.tokenizer else None
@@ -187,8 +191,8 @@ class Space:
             self.resolution.check(int(request.height), int(request.width))
         except ValueError as exc:
             raise refuse(str(exc)) from None
-        if not 1 <= request.num_inference_steps <= MAX_STEPS:
-            raise refuse(f"steps={request.num_inference_steps}: use a whole number from 1 to {MAX_STEPS}.")
+        if not self.family.min_steps <= request.num_inference_steps <= MAX_STEPS:
+            raise refuse(f"steps={request.num_inference_steps}: use {self.steps_allowed}.")
         if not 0.0 <= request.guidance_scale <= MAX_GUIDANCE:
             raise refuse(f"guidance={request.guidance_scale}: use a value from 0 to {MAX_GUIDANCE}.")
         if not 0 <= request.seed <= MAX_SEED:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import gradio as gr
 import numpy as np
 import pytest
 from conftest import ROOT, TINY, Server
@@ -21,6 +22,7 @@ from PIL import Image
 import app
 from aot.options import Options
 from aot.pipeline import load_pipeline
+from aot.space import Space
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +104,7 @@ def test_invalid_request_is_refused_and_the_next_one_works(client, change, messa
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"steps": "four"}, r"Steps: 'four' cannot be used \(TypeError\); use 1 to 50"),
+        ({"steps": "four"}, r"Steps: 'four' cannot be used \(TypeError\); use a whole number from 1 to 50"),
         ({"guidance": None}, r"Guidance: None cannot be used \(TypeError\); use a number from 0 to 10"),
         ({"randomize": "yes"}, r"randomize_seed='yes': use true or false"),
     ],
@@ -133,7 +135,7 @@ def raw_generate(server: str, values: list) -> tuple[str, str]:
     [
         (1, "Seed: nan cannot be used; use a whole number from 0 to 2147483647"),
         (3, "Width: nan cannot be used; use a multiple of 16 from 512 to 1536 px"),
-        (5, "Steps: nan cannot be used; use 1 to 50"),
+        (5, "Steps: nan cannot be used; use a whole number from 1 to 50"),
         (0, "The prompt holds '\\\\ud800', which is not text (a lone surrogate); send valid Unicode."),
     ],
 )
@@ -228,6 +230,19 @@ def test_eager_switch_serves_the_uncompiled_pipeline():
     assert done.returncode == 0, done.stderr[-3000:]
     status, seed = json.loads(done.stdout.strip().splitlines()[-1])
     assert status.startswith("eager pipeline") and seed == 1
+
+
+def test_a_family_whose_one_step_image_is_nan_refuses_one_step_and_serves_the_next_request():
+    """Qwen-Image's scheduler gives a NaN timestep for one step (tests/test_bench.py): the Space
+    refuses it, saying what is allowed, and the UI's slider starts at two."""
+    space = Space.start(Options(model=str(ROOT / "assets" / "tiny-qwen-image"), device="cpu", compile=False))
+    request = app.Request("a red cat", width=512, height=512, num_inference_steps=1)
+    with pytest.raises(gr.Error, match=r"steps=1: use a whole number from 2 to 50 \(Qwen-Image's scheduler"):
+        space.generate(request)
+    image, _, notes = space.generate(dataclasses.replace(request, num_inference_steps=2))
+    assert image.size == (512, 512) and np.asarray(image).std() > 0  # a NaN image comes back all black
+    slider = next(c for c in app.ui(space).blocks.values() if getattr(c, "label", None) == "Steps")
+    assert slider.minimum == 2
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ def test_the_benchmarks_step_inputs_give_every_family_a_finite_step(folder):
 
 
 def test_a_qwen_image_call_of_one_step_gives_a_nan_timestep():
-    """Why `step_inputs` calls with the family's `capture_steps` (2 for Qwen-Image), not 1."""
+    """Why `step_inputs` calls with the family's `min_steps` (2 for Qwen-Image), not 1."""
     pipe = tiny("tiny-qwen-image")
     with capture({"transformer": pipe.transformer}) as calls:
         pipe(**pipe_call(pipe, 256, 1), output_type="latent")

@@ -305,14 +305,14 @@ REFERENCE = False
 
 def pipe_call(pipe, size: int, steps: int | None) -> dict:
     """The keyword arguments of the app's call at size x size (families.py): an input image for edit
-    families; `steps` None: the family's `capture_steps`."""
+    families; `steps` None: the family's `min_steps`."""
     row = family(type(pipe).__name__)
     return row.capture_call(pipe, PROMPTS[0], size, size, steps, reference=REFERENCE)
 
 
 def step_inputs(pipe, size: int) -> dict:
     """The transformer's real inputs for its first denoising step at size x size, from a call of the
-    family's `capture_steps` (Qwen-Image's scheduler gives a NaN timestep in a call of one step: its
+    family's `min_steps` (Qwen-Image's scheduler gives a NaN timestep in a call of one step: its
     step's output is NaN, and a CUDA graph's check replay cannot match it)."""
     with capture({"transformer": pipe.transformer}) as calls:
         pipe(**pipe_call(pipe, size, None), output_type="latent")
