@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from aot.export import capture
 from aot.options import Options
 from aot.pipeline import load_pipeline
+from tools import bench
 from tools.bench import pipe_call, step_inputs
 
 
@@ -35,3 +36,24 @@ def test_a_qwen_image_call_of_one_step_gives_a_nan_timestep():
     with capture({"transformer": pipe.transformer}) as calls:
         pipe(**pipe_call(pipe, 256, 1), output_type="latent")
     assert torch.isnan(calls["transformer"][1]["timestep"]).all()
+
+
+def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):
+    """`wait_for_idle_gpu` polls nvidia-smi until the GPU's memory in use falls below `IDLE_MIB`.
+
+    This machine has no GPU, so a stand-in `nvidia-smi` (a shell script, test-only) reports a killed
+    worker's 40 GB for its first three calls, then what a driver alone holds; it also records the
+    GPU it was asked about."""
+    calls = tmp_path / "calls"
+    script = tmp_path / "nvidia-smi"
+    script.write_text(
+        f'#!/bin/sh\necho "$1" >> {calls}\n'
+        f"if [ $(wc -l < {calls}) -le 3 ]; then echo 40960; else echo {bench.IDLE_MIB // 2}; fi\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setenv("ZEROGPU_HARNESS_GPU", "1")
+    assert bench.wait_for_idle_gpu() >= 0.3  # three polls 0.1 s apart
+    assert calls.read_text().split() == ["--id=1"] * 4
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: a CPU run waits for nothing
+    assert bench.wait_for_idle_gpu() == 0.0

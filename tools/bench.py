@@ -591,7 +591,8 @@ def zerogpu_start(args, name: str) -> dict:
     ready_s: `app.start` and `app.ui` (the startup call compiles in a worker and returns
     the packages, FP8 quantizes the blocks here, the UI is built). launch_s: `demo.launch`, which
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
-    worker before each), median of `NEW_WORKERS`, and of it, in this process: generate_s
+    worker before each, then the GPU is let go idle: `wait_for_idle_gpu`, idle_wait_s the median
+    wait), median of `NEW_WORKERS`, and of it, in this process: generate_s
     (`Space.generate`: the request's checks and the GPU call) and infer_s (the GPU call: asking for
     a GPU, the worker's start and call, the result's way back); s_per_image: warm requests (the worker reused);
     step_ms: (warm request - request of 2 steps) / (steps - 2). moved_gb: the weights a new worker
@@ -634,11 +635,13 @@ def zerogpu_start(args, name: str) -> dict:
     served = {"generate": timed(space, "generate"), "infer": timed(space, "_infer")}  # this process's part
 
     on_new: list[bool] = []  # per request, in order: whether it ran on a new worker
+    idle_waits: list[float] = []  # per new worker: seconds from the kill until the GPU was idle
 
     def request(steps: int, new_worker: bool = False) -> float:
         on_new.append(new_worker)
         if new_worker:
             urllib.request.urlopen(reclaim, timeout=30).close()  # the harness kills the GPU worker
+            idle_waits.append(wait_for_idle_gpu())
         begin = time.perf_counter()
         client.predict(PROMPTS[0], 0, False, args.size, args.size, steps, 3.5, api_name="/generate")
         return time.perf_counter() - begin
@@ -649,6 +652,7 @@ def zerogpu_start(args, name: str) -> dict:
     row["step_ms"] = (row["s_per_image"] - short) / (args.steps - 2) * 1e3
     new += [request(args.steps, new_worker=True) for _ in range(NEW_WORKERS - 1)]
     row["new_worker_s"] = statistics.median(new)
+    row["idle_wait_s"] = statistics.median(idle_waits)
     for part, seconds in served.items():  # where a new worker's request spends its time in this process
         row[f"new_{part}_s"] = statistics.median(t for t, fresh in zip(seconds, on_new, strict=True) if fresh)
     urllib.request.urlopen(reclaim, timeout=30).close()
@@ -664,6 +668,31 @@ def zerogpu_start(args, name: str) -> dict:
     row["warm_call_s"] = warm
     return row
 
+
+def wait_for_idle_gpu(limit_s: float = 20.0) -> float:
+    """Wait until the harness's GPU (`ZEROGPU_HARNESS_GPU`, default 0) holds less than `IDLE_MIB`,
+    as after a quiet spell; returns the seconds waited (0 without `nvidia-smi`: a CPU run).
+
+    A killed worker's GPU context is torn down after the kill returns; a worker started meanwhile
+    shares the GPU with that teardown (the eleventh session's later new workers were slower than the
+    first, which started on an idle GPU: BENCHMARKS.md). A visitor after a quiet spell meets an idle
+    GPU. After `limit_s` it goes on anyway."""
+    query = ["nvidia-smi", "--id=" + os.environ.get("ZEROGPU_HARNESS_GPU", "0")]
+    query += ["--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        try:
+            used = float(subprocess.run(query, capture_output=True, text=True, check=True).stdout.split()[0])
+        except (OSError, subprocess.CalledProcessError, IndexError, ValueError):
+            return 0.0
+        if used < IDLE_MIB:
+            break
+        time.sleep(0.1)
+    return time.perf_counter() - start
+
+
+# GPU memory in use (MiB, nvidia-smi) below which no worker holds weights: a driver holds a few hundred.
+IDLE_MIB = 1024
 
 # New workers measured per zerogpu row (the first request, and after each reclaim): the disk a new
 # worker reads its weights from varies by seconds between workers (BENCHMARKS.md).
