@@ -8,7 +8,9 @@ capture; see `blocks.load_runner`).
 
 The first call at a new shape runs as usual (its output is the answer; it also warms up the
 kernels), then the step is captured on copies of its inputs and replayed once: the replay must
-reproduce that output, or graphs are switched off with the reason logged. That check replay is a
+reproduce that output, or graphs are switched off with the reason logged. A first call whose output
+is not finite (NaN from a bad input) is not captured: no replay could match it, and one bad request
+must not cost every later one its graph; the next call at that shape tries again. That check replay is a
 whole extra step, so it runs once per shape and process lineage: a shape checked here, or on
 ZeroGPU in an earlier worker (`VERIFIED`), is captured without it. Later calls with that shape copy
 their inputs into the graph's static inputs and replay. Inputs and outputs may be
@@ -80,7 +82,10 @@ class GraphedStep:
             return self.step(**kwargs)
         if key not in self.graphs:
             out = self.step(**kwargs)
-            self._capture(key, leaves, tree, out)
+            if _finite(out):
+                self._capture(key, leaves, tree, out)
+            else:  # no replay could match it: not a reason to give up graphs for every later call
+                log.warning("the step gave NaN or inf at a new shape: not captured; the next call at it tries again")
             return out
         self.graphs.move_to_end(key)
         graph, inputs, outputs = self.graphs[key]
@@ -129,6 +134,11 @@ class GraphedStep:
         self.graphs[key] = (graph, inputs, outputs)
         if len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
+
+
+def _finite(out: Any) -> bool:
+    """Whether every tensor in `out` is finite (one GPU sync: run once per new shape, before its capture)."""
+    return all(bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def _key(kwargs: dict[str, Any], leaves: list[Any], tree: pytree.TreeSpec) -> tuple | None:

@@ -136,6 +136,30 @@ def test_a_checked_shape_is_captured_again_without_a_check_replay():
     assert error < 1e-3, f"graph replay without a check vs plain step {error:.2e}"
 
 
+def test_a_step_that_gives_nan_is_not_captured_and_leaves_graphs_on():
+    # One request whose step is NaN (the check replay could never match it) must not switch CUDA
+    # graphs off for every later request: that shape is captured at its next finite call.
+    from aot.blocks import unpatch_forward
+    from aot.graphs import GraphedStep
+    from aot.optimize import optimize_
+    from tools.bench import step_inputs
+
+    pipe = wide_pipeline()
+    optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
+    graphed = pipe.transformer.forward
+    inputs = step_inputs(pipe, 512)
+    with torch.no_grad():
+        nan = pipe.transformer(**{**inputs, "hidden_states": torch.full_like(inputs["hidden_states"], float("nan"))})
+        assert not torch.isfinite(nan[0]).all()
+        assert graphed.failed is None and not graphed.graphs
+        pipe.transformer(**inputs)
+    assert graphed.failed is None and len(graphed.graphs) == 1, graphed.failed
+    replayed = generate(pipe, 512, 512, steps=3).float()
+    unpatch_forward(pipe.transformer, GraphedStep)
+    error = rel_error(replayed, generate(pipe, 512, 512, steps=3).float())
+    assert error < 1e-3, f"graph replay vs plain step {error:.2e}"
+
+
 def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_base_exactly(tmp_path):
     # One transformer step on fixed inputs, the LoRA at scale 4: at scale 1 it moved this random
     # 2+2-block step by 1.8e-2 (H200, 2026-12-01), too close to FP8's own 7e-3 to tell "applied"
