@@ -8,6 +8,10 @@ before it is watched: what a step caches on the device (Qwen-Image's and Z-Image
 is made once, before any capture, as on the GPU.
 """
 
+import copy
+import functools
+from typing import Any
+
 import pytest
 import torch
 from conftest import ROOT
@@ -15,10 +19,10 @@ from test_families import TINY, images, pipeline_class
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aot.export import capture
-from aot.families import FAMILIES, family, graph_safe_
+from aot.families import FAMILIES, graph_safe_
 from aot.options import Options
 from aot.pipeline import load_pipeline
+from tools.bench import step_inputs
 
 FOLDERS = [
     pytest.param(f, marks=pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}"))
@@ -45,17 +49,22 @@ class HostCopies(TorchDispatchMode):
         return out
 
 
-def step_on_meta(folder: str, fix: bool) -> list[str]:
-    """The host copies of the second step of `folder`'s transformer on the meta device (its inputs
-    are one real step's at 256x256), after `families.graph_safe_` if `fix`."""
+@functools.cache
+def first_step(folder: str) -> tuple[Any, dict[str, Any]]:
+    """`folder`'s tiny pipeline (eager, CPU) and its transformer's inputs at its first step at
+    256x256, as tools/bench.py measures a step (`step_inputs`); shared with tests/test_bench.py."""
     pipe = load_pipeline(Options(model=str(ROOT / "assets" / folder), device="cpu", compile=False))
-    row = family(type(pipe).__name__)
-    with capture({"transformer": pipe.transformer}) as calls:
-        pipe(**row.capture_call(pipe, "a red cat on a mat", 256, 256), output_type="latent")
-    transformer = pipe.transformer.to("meta")
+    return pipe, step_inputs(pipe, 256)
+
+
+def step_on_meta(folder: str, fix: bool) -> list[str]:
+    """The host copies of the second step of a copy of `folder`'s transformer on the meta device
+    (`first_step`'s inputs), after `families.graph_safe_` if `fix`."""
+    pipe, inputs = first_step(folder)
+    transformer = copy.deepcopy(pipe.transformer).to("meta")
     if fix:
         graph_safe_(transformer)
-    kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), calls["transformer"][1])
+    kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
     copies = HostCopies()
     with torch.no_grad():
         transformer(**kwargs)
