@@ -365,3 +365,14 @@ print("next new worker:", zerogpu.gpu(seen, duration=60)(), flush=True)
     assert "main process: [('shape', 1024)]" in done.stdout, done.stdout
     assert "next new worker: [('shape', 1024)]" in done.stdout, done.stdout
     assert done.stderr.count("worker new") == 2, done.stderr[-3000:]
+
+
+def test_any_import_of_the_engine_imports_spaces_before_torch():
+    # On ZeroGPU torch must not be imported before spaces (it patches torch as it loads). aot/__init__.py,
+    # which every import of the engine runs first, imports spaces, then each verb's module on first use:
+    # a process that needs one module (here blocks.py) imports neither gradio nor the rest.
+    code = "import sys, aot.blocks; names = list(sys.modules); print(names.index('spaces') < names.index('torch'))"
+    code += "; print('gradio' in names, 'aot.space' in names)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "False"], done.stdout
