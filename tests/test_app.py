@@ -24,10 +24,11 @@ from aot.pipeline import load_pipeline
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory):
-    """`python app.py` serving the tiny pipeline on 127.0.0.1."""
+def running(saved, tmp_path_factory):
+    """`python app.py` serving the tiny pipeline on 127.0.0.1, from the session's saved packages (a
+    Space's compile at startup: test_replicas.py, and in a ZeroGPU worker test_zerogpu.py)."""
     loras = ",".join(str(ROOT / "assets" / "tiny-flux-loras" / f"{name}.safetensors") for name in "ab")
-    env = {"MODEL_ID": TINY, "AOT_LORA_CHOICES": loras}
+    env = {"MODEL_ID": TINY, "AOT_LORA_CHOICES": loras, "AOT_LOAD": str(saved), "AOT_STRICT": "1"}
     app = Server(["app.py"], env, tmp_path_factory.mktemp("app") / "app.log")
     yield app.wait_until_serving()
     app.stop()

@@ -31,13 +31,6 @@ VARIANT = "sdpa-float32-512-1536"  # attention sdpa, float32 weights, default si
 CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 
 
-@pytest.fixture(scope="module")
-def saved(compiled, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("saved") / "packages"
-    save_packages(compiled, folder)
-    return folder
-
-
 @pytest.fixture
 def copy(saved, tmp_path) -> Path:
     """A private copy of the saved folder to break."""

@@ -28,7 +28,6 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from aot.blocks import OWNER_MARK, load_runner, remove_stale_extractions
-from aot.packages import save_packages
 from aot.zerogpu import LARGE_MAX_BYTES, size_advice, weight_bytes
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
@@ -140,13 +139,6 @@ def test_three_visitors_at_once_on_one_gpu_wait_in_zerogpus_queue_and_all_get_im
     assert after["queued"] - before["queued"] == 2, "the requests reached the GPU one at a time"
     assert after["most_at_once"] == 1 and after["failed"] == before["failed"]
     assert after["allow"] - before["allow"] == 0, "one GPU: the three took turns on its worker"
-
-
-@pytest.fixture(scope="module")
-def saved(compiled, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("zerogpu-saved") / "packages"
-    save_packages(compiled, folder)
-    return folder
 
 
 def test_saved_packages_load_in_the_worker_and_every_call_gets_a_new_one(saved, tmp_path):
