@@ -20,7 +20,7 @@ from conftest import ROOT, TOLERANCE, Server
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from aot.blocks import contract_from_captures, rel_error, repeated_blocks
+from aot.blocks import apply_, contract_from_captures, rel_error, repeated_blocks
 from aot.families import FAMILIES, Call, family, latent_channels, with_latent_channels
 from aot.optimize import optimize_
 from aot.options import Options, Resolution
@@ -32,11 +32,12 @@ def pipeline_class(folder: str) -> str:
 
 
 TINY = sorted(p.parent.name for p in (ROOT / "assets").glob("tiny-*/model_index.json"))
-# Supported families; tiny-flux (FLUX.1-dev) has its own tests (test_compile.py, test_app.py).
+# Supported families; FLUX.1 has its own tests: tiny-flux (dev) in test_compile.py and test_app.py,
+# tiny-flux-schnell (no guidance embedding, outside the blocks) with tiny-flux's packages below.
 FOLDERS = [
     pytest.param(f, marks=pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}"))
     for f in TINY
-    if pipeline_class(f) in FAMILIES and f != "tiny-flux"
+    if pipeline_class(f) in FAMILIES and pipeline_class(f) != "FluxPipeline"
     for missing in [FAMILIES[pipeline_class(f)].missing()]
 ]
 UNSUPPORTED_FOLDERS = [f for f in TINY if pipeline_class(f) not in FAMILIES]
@@ -161,6 +162,19 @@ def test_space_serves_the_family_from_its_saved_packages(folder, compiled_famili
         assert "AoT loaded from" in app.text(), "the Space compiled instead of loading the saved packages"
     finally:
         app.stop()
+
+
+def test_flux1_packages_serve_the_checkpoint_without_guidance_too(compiled):
+    # tiny-flux-schnell is tiny-flux's row and blocks without the guidance embedding, which is outside
+    # the blocks: the weights-less packages compiled for tiny-flux (conftest) run it, as a compile of its
+    # own would (the same captures and contract; only the pipeline call leaves guidance out).
+    schnell = Options(model=str(ROOT / "assets" / "tiny-flux-schnell"), device="cpu")
+    eager, pipe = load_pipeline(schnell), load_pipeline(schnell)
+    assert not family("FluxPipeline").guided(pipe)
+    apply_(pipe, compiled)
+    for height, width in [(512, 512), (768, 1344)]:
+        error = rel_error(images(pipe, height, width), images(eager, height, width))
+        assert error < TOLERANCE, f"tiny-flux-schnell {height}x{width}: rel. error {error:.2e}"
 
 
 @pytest.mark.parametrize(
