@@ -12,32 +12,39 @@ pipeline's transformer, as the recipe's verbs, with our contract checks, fingerp
     Space            serving: a request's checks, its GPU call, its notes (space.py)
     Options          every setting, each a flag and an environment variable (options.py)
 
+Each verb's module is imported when the verb is first used (`from aot import Space` imports space.py
+and what it needs), so that a process needing one module (`import aot.packages`) does not import the
+whole engine (gradio, diffusers). `spaces` is imported here, before any of them: every import of the
+engine runs this file first.
+
 README.md's file list says what each module does; zerogpu.py, what runs where on ZeroGPU.
 """
 
-import spaces  # noqa: F401, I001  (first: on ZeroGPU it patches torch before anything can touch CUDA)
+import importlib
 
-from aot.blocks import apply_
-from aot.export import capture_blocks, compile_blocks
-from aot.graphs import graph_step_
-from aot.optimize import optimize_
-from aot.options import Options, stops_in_one_line
-from aot.packages import load_packages, save_packages
-from aot.pipeline import load_pipeline
-from aot.space import Space
-from aot.target import Target
+import spaces  # noqa: F401  (first: on ZeroGPU it patches torch before anything can touch CUDA)
 
-__all__ = [
-    "Options",
-    "Space",
-    "Target",
-    "apply_",
-    "capture_blocks",
-    "compile_blocks",
-    "graph_step_",
-    "load_packages",
-    "load_pipeline",
-    "optimize_",
-    "save_packages",
-    "stops_in_one_line",
-]
+# Each public verb and the module that defines it.
+_VERBS = {
+    "Options": "aot.options",
+    "Space": "aot.space",
+    "Target": "aot.target",
+    "apply_": "aot.blocks",
+    "capture_blocks": "aot.export",
+    "compile_blocks": "aot.export",
+    "graph_step_": "aot.graphs",
+    "load_packages": "aot.packages",
+    "load_pipeline": "aot.pipeline",
+    "optimize_": "aot.optimize",
+    "save_packages": "aot.packages",
+    "stops_in_one_line": "aot.options",
+}
+__all__ = list(_VERBS)
+
+
+def __getattr__(name: str):
+    """A verb of `_VERBS`, from its module (imported on first use); anything else is not here, which
+    lets `from aot import lora` import the submodule."""
+    if name not in _VERBS:
+        raise AttributeError(f"module 'aot' has no attribute {name!r}")
+    return getattr(importlib.import_module(_VERBS[name]), name)

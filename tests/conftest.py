@@ -1,5 +1,5 @@
-"""Shared fixtures: the bundled tiny FLUX pipeline, compiled once per test session (about 20 s on 2 cores),
-and a way to start the Space as a server."""
+"""Shared fixtures: the bundled tiny FLUX pipeline, compiled once per test session (about 20 s on 2 cores)
+and saved once, and a way to start the Space as a server."""
 
 import json
 import os
@@ -17,6 +17,7 @@ import torch
 from aot.blocks import apply_
 from aot.export import compile_blocks
 from aot.options import Options
+from aot.packages import save_packages
 from aot.pipeline import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,15 @@ def generate(pipe, height: int, width: int, seed: int = 0, steps: int = 2, **kwa
 def compiled():
     """`compile_blocks` on the tiny pipeline: one package per block class."""
     return compile_blocks(load_tiny(), tiny_options())
+
+
+@pytest.fixture(scope="session")
+def saved(compiled, tmp_path_factory) -> Path:
+    """The session's packages in a folder, as `--save` writes them (`AOT_LOAD` for a Space that
+    should not compile at startup). Tests read it; a test that changes a set works on a copy."""
+    folder = tmp_path_factory.mktemp("saved") / "packages"
+    save_packages(compiled, folder)
+    return folder
 
 
 @pytest.fixture

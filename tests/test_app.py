@@ -26,10 +26,11 @@ from aot.space import Space
 
 
 @pytest.fixture(scope="module")
-def running(tmp_path_factory):
-    """`python app.py` serving the tiny pipeline on 127.0.0.1."""
+def running(saved, tmp_path_factory):
+    """`python app.py` serving the tiny pipeline on 127.0.0.1, from the session's saved packages (a
+    Space's compile at startup: test_replicas.py, and in a ZeroGPU worker test_zerogpu.py)."""
     loras = ",".join(str(ROOT / "assets" / "tiny-flux-loras" / f"{name}.safetensors") for name in "ab")
-    env = {"MODEL_ID": TINY, "AOT_LORA_CHOICES": loras}
+    env = {"MODEL_ID": TINY, "AOT_LORA_CHOICES": loras, "AOT_LOAD": str(saved), "AOT_STRICT": "1"}
     app = Server(["app.py"], env, tmp_path_factory.mktemp("app") / "app.log")
     yield app.wait_until_serving()
     app.stop()
@@ -220,18 +221,6 @@ def test_two_simultaneous_requests_both_complete(client, server):
         assert sorted(pool.map(one, [21, 22])) == [21, 22]
 
 
-def test_eager_switch_serves_the_uncompiled_pipeline():
-    env = {**os.environ, "MODEL_ID": TINY, "AOT_COMPILE": "0"}
-    code = (
-        "import json, app; from aot.options import Options; space = app.start(Options.from_env()); "
-        "print(json.dumps([space.status, app.generate('a cat', 1, False, 512, 512, 1, 3.5)[1]]))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    status, seed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert status.startswith("eager pipeline") and seed == 1
-
-
 def test_a_family_whose_one_step_image_is_nan_refuses_one_step_and_serves_the_next_request():
     """Qwen-Image's scheduler gives a NaN timestep for one step (tests/test_bench.py): the Space
     refuses it, saying what is allowed, and the UI's slider starts at two."""
@@ -252,11 +241,15 @@ def test_a_family_whose_one_step_image_is_nan_refuses_one_step_and_serves_the_ne
         (["--attention", "fa3"], "app.py: error: attention=fa3 cannot run: FA3 needs a CUDA GPU"),
     ],
 )
-def test_a_setting_that_cannot_work_stops_app_py_with_one_line(flags, message):
-    env = {**os.environ, "MODEL_ID": TINY}
-    done = subprocess.run([sys.executable, "app.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-3000:]
+def test_a_setting_that_cannot_work_stops_app_py_with_one_line(flags, message, monkeypatch, capsys):
+    # app.main as `python app.py` runs it (test_options.py runs app.py itself, in a process of its own).
+    monkeypatch.setenv("MODEL_ID", TINY)
+    monkeypatch.setattr(sys, "argv", ["app.py", *flags])
+    with pytest.raises(SystemExit) as exited:
+        app.main()
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith(message), stderr[-3000:]
 
 
 def test_large_model_without_cuda_names_what_it_needs(tmp_path):
@@ -308,10 +301,24 @@ def test_browser_types_a_prompt_clicks_generate_and_sees_the_image(server, tmp_p
         browser.close()
 
 
-def test_importing_app_starts_nothing():
+def test_importing_app_starts_nothing_and_the_eager_switch_serves_the_uncompiled_pipeline():
     # Before: `import app` loaded the pipeline and compiled it; tools replaced the loader to hand in their own.
-    code = "import app, logging; logging.basicConfig(level=logging.INFO); print(app.SPACE is None)"
-    env = {**os.environ, "MODEL_ID": "no/such-model"}  # loading it would fail: nothing may try
+    # MODEL_ID names no model while app is imported (loading it would fail: nothing may try), then the tiny one.
+    code = f"""
+import json, logging, os, sys
+import app
+from aot.options import Options
+names = list(sys.modules)
+logging.basicConfig(level=logging.INFO)
+checks = [app.SPACE is None, names.index("spaces") < names.index("torch")]
+os.environ["MODEL_ID"] = {TINY!r}
+space = app.start(Options.from_env())
+print(json.dumps([*checks, space.status, app.generate("a cat", 1, False, 512, 512, 1, 3.5)[1]]))
+"""
+    env = {**os.environ, "MODEL_ID": "no/such-model", "AOT_COMPILE": "0"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "True" and "startup took" not in done.stderr, done.stderr[-3000:]
+    nothing_started, spaces_first, status, seed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert nothing_started and done.stderr.count("startup took") == 1, done.stderr[-3000:]  # the eager start's
+    assert spaces_first, "torch was imported before spaces (on ZeroGPU spaces must patch it first)"
+    assert status.startswith("eager pipeline") and seed == 1

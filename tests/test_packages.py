@@ -31,13 +31,6 @@ VARIANT = "sdpa-float32-512-1536"  # attention sdpa, float32 weights, default si
 CLASSES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
 
 
-@pytest.fixture(scope="module")
-def saved(compiled, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("saved") / "packages"
-    save_packages(compiled, folder)
-    return folder
-
-
 @pytest.fixture
 def copy(saved, tmp_path) -> Path:
     """A private copy of the saved folder to break."""
@@ -634,9 +627,10 @@ def test_push_to_a_local_folder_then_load_from_it(saved, tmp_path):
     assert compiled.source == f"loaded from {target}"
 
 
-def test_cli_loads_saved_packages(saved):
-    env = {**os.environ, "MODEL_ID": TINY}
-    cmd = [sys.executable, "compile.py", "--load", str(saved), "--strict"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"packages loaded from {saved}" in done.stdout
+def test_cli_loads_saved_packages(saved, monkeypatch, capsys):
+    # compile.main as `python compile.py` runs it (test_options.py runs compile.py itself, in a process).
+    import compile
+
+    monkeypatch.setenv("MODEL_ID", TINY)
+    assert compile.main(["--load", str(saved), "--strict"]) == 0
+    assert f"packages loaded from {saved}" in capsys.readouterr().out

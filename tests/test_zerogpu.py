@@ -28,7 +28,6 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from aot.blocks import OWNER_MARK, load_runner, remove_stale_extractions
-from aot.packages import save_packages
 from aot.zerogpu import LARGE_MAX_BYTES, size_advice, weight_bytes
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
@@ -143,25 +142,6 @@ def test_three_visitors_at_once_on_one_gpu_wait_in_zerogpus_queue_and_all_get_im
 
 
 @pytest.fixture(scope="module")
-def saved(compiled, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("zerogpu-saved") / "packages"
-    save_packages(compiled, folder)
-    return folder
-
-
-def test_saved_packages_load_in_the_worker_and_every_call_gets_a_new_one(saved, tmp_path):
-    app = cpu_space({"AOT_LOAD": str(saved), "AOT_STRICT": "1"}, tmp_path / "app.log", "--cold")
-    try:
-        app.wait_until_serving()
-        assert f"AoT loaded from {saved}" in app.text()
-        first, second = request(app.url), request(app.url)
-        assert np.array_equal(first, second)
-        assert app.device("/status")["allow"] == 3, "startup + two requests, each in a new worker (--cold)"
-    finally:
-        app.stop()
-
-
-@pytest.fixture(scope="module")
 def three_gpus(saved, tmp_path_factory):
     """The Space under `--gpus 3`: the device API grants three GPU calls at once (saved packages:
     no compile at startup). `test_sigterm_to_the_harness_ends_the_app_and_its_workers` ends it."""
@@ -217,26 +197,32 @@ def running(group: int) -> list[int]:
     return found
 
 
-def test_a_new_worker_moves_fp8_text_encoders_and_loads_one_package_per_block_class(saved, tmp_path, eager_pipe):
+def test_saved_packages_load_in_new_workers_which_move_fp8_text_encoders(saved, tmp_path, eager_pipe):
+    # --cold: every GPU call gets a new worker, which loads the saved packages, one per block class.
     # The default on ZeroGPU: the text encoders' FP8 trial runs in the startup call, the main process
     # quantizes the layers it kept before spaces packs the weights; a new worker moves fewer bytes.
     env = {"AOT_LOAD": str(saved), "AOT_STRICT": "1", "AOT_TEXT_FP8": "auto", "AOT_LORA_CHOICES": ""}
-    app = cpu_space(env, tmp_path / "app.log")
+    app = cpu_space(env, tmp_path / "app.log", "--cold")
     try:
         app.wait_until_serving()
         log = app.text()
+        assert f"AoT loaded from {saved}" in log
         decision = re.search(r"text_fp8: on \(auto: (.+)\)", log)
         assert decision and "text_encoder_2 (T5EncoderModel): FP8 in" in decision.group(1), log[-3000:]
         moved = float(re.search(r"a new ZeroGPU worker moves ([\d.]+) MB of weights to the GPU: fits large", log)[1])
         everything = weight_bytes(eager_pipe) / 1e6  # float32, on the CPU here
-        saved = sum(float(a) - float(b) for a, b in re.findall(r"([\d.e-]+) -> ([\d.e-]+) GB", decision[1])) * 1e3
-        assert saved > 0.01 and moved == pytest.approx(everything - saved, abs=2e-3), (moved, everything, saved)
-        image = request(app.url).astype(float)
-        assert np.abs(image - eager_image(eager_pipe)).mean() < 2, "FP8 text encoders changed the image"
+        fewer = sum(float(a) - float(b) for a, b in re.findall(r"([\d.e-]+) -> ([\d.e-]+) GB", decision[1])) * 1e3
+        assert fewer > 0.01 and moved == pytest.approx(everything - fewer, abs=2e-3), (moved, everything, fewer)
+        first, second = request(app.url), request(app.url)
+        assert np.array_equal(first, second)
+        assert app.device("/status")["allow"] == 3, "startup + two requests, each in a new worker (--cold)"
+        assert np.abs(first.astype(float) - eager_image(eager_pipe)).mean() < 2, "FP8 text encoders changed the image"
         lines = [line.split("zerogpu-call ", 1)[1] for line in app.text().splitlines() if "zerogpu-call" in line]
-        first = next(c for c in map(json.loads, lines) if c["fn"] == "infer")
-        assert first["new_worker"] and first["wait_s"] > 0, first
-        assert (first["loads"], first["binds"]) == (2, 2 * 4), "one load per block class; 2 steps x 4 blocks bound"
+        infers = [c for c in map(json.loads, lines) if c["fn"] == "infer"]
+        assert len(infers) == 2, lines
+        for call in infers:
+            assert call["new_worker"] and call["wait_s"] > 0, call
+            assert (call["loads"], call["binds"]) == (2, 2 * 4), "one load per block class; 2 steps x 4 blocks bound"
     finally:
         app.stop()
 
@@ -365,3 +351,14 @@ print("next new worker:", zerogpu.gpu(seen, duration=60)(), flush=True)
     assert "main process: [('shape', 1024)]" in done.stdout, done.stdout
     assert "next new worker: [('shape', 1024)]" in done.stdout, done.stdout
     assert done.stderr.count("worker new") == 2, done.stderr[-3000:]
+
+
+def test_any_import_of_the_engine_imports_spaces_before_torch():
+    # On ZeroGPU torch must not be imported before spaces (it patches torch as it loads). aot/__init__.py,
+    # which every import of the engine runs first, imports spaces, then each verb's module on first use:
+    # a process that needs one module (here blocks.py) imports neither gradio nor the rest.
+    code = "import sys, aot.blocks; names = list(sys.modules); print(names.index('spaces') < names.index('torch'))"
+    code += "; print('gradio' in names, 'aot.space' in names)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "False"], done.stdout
