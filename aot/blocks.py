@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+# The runner's Python wrapper, imported with this module, not at a package's first load: on ZeroGPU
+# that load runs in every new worker, which would import it (torch.export's archive and serde
+# modules, about 0.1 s: BENCHMARKS.md) each time; imported here, workers inherit it through fork.
+from torch._inductor.package import AOTICompiledModel
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -467,8 +472,6 @@ def load_runner(package: bytes) -> Any:
     Raises:
         RuntimeError: the native loader cannot read the package.
     """
-    from torch._inductor.package import AOTICompiledModel
-
     global _swept
     if not _swept:
         remove_stale_extractions()
@@ -785,10 +788,13 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
 
     Each block keeps its parameters (the package binds to them: one copy of the weights). Nothing
     here runs on the GPU or loads a package (FP8 quantizes the weights where they are: emulated CUDA
-    tensors in a ZeroGPU main process), so it runs in the main process everywhere.
+    tensors in a ZeroGPU main process), so it runs in the main process everywhere. The FA3 kernel
+    the packages call is imported here (no GPU work), so ZeroGPU workers inherit it through fork
+    instead of each importing it at its first step.
 
     Raises:
         ValueError: a block does not match its package, or the patched count is off.
+        ImportError, OSError, RuntimeError: the FA3 kernel the packages call cannot be loaded (`load_fa3`).
     """
     if any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules()):
         raise ValueError(
@@ -796,6 +802,8 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
             "enable_sequential_cpu_offload): they move weights between calls, while compiled blocks bind "
             "to the weights' memory once. Keep the pipeline on the GPU (pipe.to('cuda')) to compile it."
         )
+    if compiled.fa3_kernel is not None:
+        load_fa3(compiled.fa3_kernel)
     blocks = repeated_blocks(pipe.transformer)
     rows = []
     for name, found in blocks.items():

@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -144,13 +145,15 @@ _calls = 0
 def _logged(name: str):
     """Log one `zerogpu-call {json}` line per call in a worker: whether the worker is new, the
     seconds from asking for the GPU to the call (a new worker's, which includes moving the weights), the
-    call's seconds and what compiled blocks spent in it (`blocks.COSTS`: package loads, binds,
-    CUDA graph captures and check replays). bench.py's zerogpu rows read these lines."""
+    call's seconds, what compiled blocks spent in it (`blocks.COSTS`: package loads, binds,
+    CUDA graph captures and check replays) and the modules it imported (`imported`: each new worker
+    imports them again, so whatever a call needs is imported before the fork). bench.py's zerogpu
+    rows read these lines."""
     from aot.blocks import COSTS
 
     global _calls
     new, waited = _calls == 0, time.time() - _asked.get(time.time())
-    before, start = dataclasses.replace(COSTS), time.perf_counter()
+    before, start, modules = dataclasses.replace(COSTS), time.perf_counter(), set(sys.modules)
     try:
         yield
     finally:
@@ -161,6 +164,7 @@ def _logged(name: str):
         wait = round(waited, 3) if new else None
         line = {"fn": name, "pid": os.getpid(), "new_worker": new, "call": _calls, "wait_s": wait}
         line.update(call_s=round(time.perf_counter() - start, 3), **spent)
+        line["imported"] = sorted(set(sys.modules) - modules)
         log.info("zerogpu-call %s", json.dumps(line))
 
 

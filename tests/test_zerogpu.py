@@ -223,6 +223,7 @@ def test_saved_packages_load_in_new_workers_which_move_fp8_text_encoders(saved, 
         for call in infers:
             assert call["new_worker"] and call["wait_s"] > 0, call
             assert (call["loads"], call["binds"]) == (2, 2 * 4), "one load per block class; 2 steps x 4 blocks bound"
+            assert call["imported"] == [], "each new worker would import these again: import them before the fork"
     finally:
         app.stop()
 

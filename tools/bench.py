@@ -601,7 +601,8 @@ def zerogpu_start(args, name: str) -> dict:
     moving the weights), the AoT-only costs (package loads, binds, CUDA graph captures and check
     replays), and
     other_first_s (the first call minus a warm call minus those: first calls of the text encoders,
-    the VAE, kernels). Peak GPU memory belongs to the worker and is not measured here.
+    the VAE, kernels); imports: the modules the first call imported (none, where the main process
+    imported everything before the fork). Peak GPU memory belongs to the worker and is not measured here.
     """
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
@@ -663,6 +664,7 @@ def zerogpu_start(args, name: str) -> dict:
     keys = ("wait_s", "call_s", "loads", "load_s", "binds", "bind_s", "captures", "capture_s", "checks", "check_s")
     for key in keys:
         row[f"new_{key}"] = statistics.median(line[key] for line in firsts)
+    row["new_imports"] = statistics.median(len(line["imported"]) for line in firsts)
     row["new_aot_s"] = row["new_load_s"] + row["new_bind_s"] + row["new_capture_s"] + row["new_check_s"]
     row["new_other_first_s"] = row["new_call_s"] - warm - row["new_aot_s"]
     row["warm_call_s"] = warm
@@ -834,8 +836,9 @@ def zerogpu_table(rows: list[dict]) -> list[str]:
     lines = [
         "",
         "| ZeroGPU mode | new worker s | of it: generate s, GPU call s | warm s | step ms | GB moved | new worker: "
-        "wait s (weights) | package loads, s | binds, s | graph captures, s | check replays, s | other first calls s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "wait s (weights) | package loads, s | binds, s | graph captures, s | check replays, s | other first calls s "
+        "| modules imported |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in done.items():
         lines.append(
@@ -843,7 +846,7 @@ def zerogpu_table(rows: list[dict]) -> list[str]:
             f"| {row['s_per_image']:.2f} | {row['step_ms']:.1f} | {row['moved_gb']:.1f} | {row['new_wait_s']:.2f} "
             f"| {row['new_loads']:.0f}, {row['new_load_s']:.3f} | {row['new_binds']:.0f}, {row['new_bind_s']:.3f} "
             f"| {row['new_captures']:.0f}, {row['new_capture_s']:.3f} | {row['new_checks']:.0f}, "
-            f"{row['new_check_s']:.3f} | {row['new_other_first_s']:.2f} |"
+            f"{row['new_check_s']:.3f} | {row['new_other_first_s']:.2f} | {row['new_imports']:.0f} |"
         )
     if len(done) == 2:
         aot, eager = done["zerogpu"], done["zerogpu-eager"]
