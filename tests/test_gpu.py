@@ -140,14 +140,14 @@ def test_a_step_that_gives_nan_is_not_captured_and_leaves_graphs_on():
     # One request whose step is NaN (the check replay could never match it) must not switch CUDA
     # graphs off for every later request: that shape is captured at its next finite call.
     from aot.blocks import unpatch_forward
-    from aot.graphs import GraphedStep
+    from aot.graphs import GraphedStep, graph_step_
     from aot.optimize import optimize_
     from tools.bench import step_inputs
 
     pipe = wide_pipeline()
-    optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
-    graphed = pipe.transformer.forward
-    inputs = step_inputs(pipe, 512)
+    optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="off"))
+    inputs = step_inputs(pipe, 512)  # a pipeline call: through a GraphedStep it would capture this shape
+    graphed = graph_step_(pipe.transformer)
     with torch.no_grad():
         nan = pipe.transformer(**{**inputs, "hidden_states": torch.full_like(inputs["hidden_states"], float("nan"))})
         assert not torch.isfinite(nan[0]).all()
