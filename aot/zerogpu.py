@@ -18,12 +18,14 @@ What runs where, in this template:
                                                      the packages (bytes) and decisions cross back
     apply_: FP8-quantize the blocks' and the text
     encoders' weights, patch each block's forward
-    (no package is loaded here), patch the step
-    for CUDA graphs; log what a new worker moves
+    (no package is loaded here; the FA3 kernel and
+    AOTI's runner are imported: workers inherit
+    them), patch the step for CUDA graphs; log
+    what a new worker moves
     at launch, spaces packs the weights to disk     each request (`Space.infer`): on a new worker,
                                                      spaces moves the weights to the GPU; the first
                                                      call of each block class loads its package
-                                                     (FA3 first), each block binds its tensors before
+                                                     (imports nothing), each block binds its tensors before
                                                      it runs; the first step of a size captures its
                                                      CUDA graph; all redone by every new worker,
                                                      never by a reused one (`zerogpu-call` lines)
