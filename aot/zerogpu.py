@@ -25,10 +25,11 @@ What runs where, in this template:
     at launch, spaces packs the weights to disk     each request (`Space.infer`): on a new worker,
                                                      spaces moves the weights to the GPU; the first
                                                      call of each block class loads its package
-                                                     (imports nothing), each block binds its tensors before
-                                                     it runs; the first step of a size captures its
-                                                     CUDA graph; all redone by every new worker,
-                                                     never by a reused one (`zerogpu-call` lines)
+                                                     (importing nothing), each block binds its
+                                                     tensors before it runs; the first step of a
+                                                     size captures its CUDA graph; all redone by
+                                                     every new worker, never by a reused one
+                                                     (`zerogpu-call` lines)
 
 Large objects (the pipeline) reach the worker through fork, as module state, never as arguments:
 pickling an emulated CUDA tensor fails, and a module pickled from a Gradio thread arrives with
