@@ -597,22 +597,26 @@ class SharedPackage:
     class, not one per block (FLUX.1-dev: 2 instead of 57), and a CUDA graph captured over the
     step records each block's kernels with that block's pointers, so a replay rebinds nothing.
     Loads and binds are counted in `COSTS`.
+
+    Raises:
+        ImportError, OSError, RuntimeError: `fa3_kernel` (the FA3 kernel the package calls) cannot be
+            loaded (`load_fa3`).
     """
 
     def __init__(self, package: BlockPackage, fa3_kernel: str | None = None):
-        self.package, self.fa3_kernel = package, fa3_kernel
+        if fa3_kernel is not None:  # the package calls the FA3 op: register its kernel now, where the
+            load_fa3(fa3_kernel)  # package is applied (no GPU work): ZeroGPU workers inherit it
+        self.package = package
         self.runner: Any = None
         self.names: list[str] = []
         self.bound_to: object = None
         self._lock = threading.Lock()
 
     def load(self) -> None:
-        """Load the package (FA3 kernel first where it calls FA3), once; on ZeroGPU, in the worker."""
+        """Load the package, once; on ZeroGPU, in the worker."""
         with self._lock:
             if self.runner is None:
                 start = time.perf_counter()
-                if self.fa3_kernel is not None:
-                    load_fa3(self.fa3_kernel)  # the package calls the FA3 op: register its kernel first
                 self.runner = load_runner(self.package.package)
                 self.names = self.runner.get_constant_fqns()
                 COSTS.add("load", time.perf_counter() - start)
@@ -789,8 +793,8 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
     Each block keeps its parameters (the package binds to them: one copy of the weights). Nothing
     here runs on the GPU or loads a package (FP8 quantizes the weights where they are: emulated CUDA
     tensors in a ZeroGPU main process), so it runs in the main process everywhere. The FA3 kernel
-    the packages call is imported here (no GPU work), so ZeroGPU workers inherit it through fork
-    instead of each importing it at its first step.
+    the packages call is imported here (`SharedPackage`; no GPU work), so ZeroGPU workers inherit it
+    through fork instead of each importing it at its first step.
 
     Raises:
         ValueError: a block does not match its package, or the patched count is off.
@@ -802,8 +806,6 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
             "enable_sequential_cpu_offload): they move weights between calls, while compiled blocks bind "
             "to the weights' memory once. Keep the pipeline on the GPU (pipe.to('cuda')) to compile it."
         )
-    if compiled.fa3_kernel is not None:
-        load_fa3(compiled.fa3_kernel)
     blocks = repeated_blocks(pipe.transformer)
     rows = []
     for name, found in blocks.items():
