@@ -8,7 +8,6 @@ AOTInductor checks no input shapes, so every call is checked against the `Contra
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import os
@@ -18,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -371,85 +370,6 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def needs_cpu_isa_probe(device: torch.device) -> bool:
-    """Whether compiling packages for `device` needs Inductor's CPU vector-ISA probe
-    (`probe_cpu_isa_in_background`): the one rule, read wherever the probe is started or joined.
-
-    On a CPU the package's kernels are C++, vectorized for the ISA the probe finds. For CUDA the
-    package's C++ is the wrapper that launches the GPU kernels, which the ISA's vector code does not
-    speed up, so a CUDA compile skips the probe and its tens of seconds per process (BENCHMARKS.md):
-    `cpu_isa_scope` compiles it with Inductor's `cpp.vec_isa_ok = False`. What a package needs of a
-    CPU is recorded either way (`built_cpu_isa`).
-    """
-    return device.type != "cuda"
-
-
-@contextlib.contextmanager
-def cpu_isa_scope(device: torch.device) -> Iterator[None]:
-    """Compile packages for `device` inside this: after the probe (joined here) where
-    `needs_cpu_isa_probe`, else with no vector ISA.
-
-    No vector ISA: Inductor's `cpp.vec_isa_ok = False`, under which `cpu_vec_isa.pick_vec_isa` builds
-    no test program, and `cpp.simdlen = 0`, so that it picks none also in a process that probed
-    before. Torch keeps its answers per process (`valid_vec_isa_list`, each ISA's `__bool__`): where
-    the first is made in here, a later CPU compile in this process gets no vector ISA either (a
-    process compiles for one device).
-    """
-    if needs_cpu_isa_probe(device):
-        probe_cpu_isa_in_background().join()
-        yield
-        return
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": False, "cpp.simdlen": 0}):
-        yield
-
-
-def built_cpu_isa() -> str:
-    """What the fingerprint records as the packages' CPU ISA (`cpu_isa`, `packages.cpu_isa_problem`):
-    this CPU's vector extensions in torch's names, e.g. `avx2 avx512 avx512_vnni`; "" for none or
-    another architecture.
-
-    Inductor builds every package's C++ with `-march=native` (torch 2.11,
-    `cpp_builder._get_optimization_cflags`), with or without a vector ISA, so the compiler may use
-    any extension of this CPU, in a CUDA package's wrapper too (AVX-512 on the H200 host,
-    BENCHMARKS.md). `x86_isa_checker` asks the CPU: no test builds.
-    """
-    from torch._inductor.cpu_vec_isa import x86_isa_checker
-
-    return " ".join(x86_isa_checker())
-
-
-def probe_cpu_isa_in_background() -> threading.Thread:
-    """Start Inductor's CPU vector-ISA probe on a thread (once per process); returns it.
-
-    A compile for a CPU needs it (`needs_cpu_isa_probe`): Inductor picks the package's vector flags
-    with it (`cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test programs,
-    each load in a child Python (see BENCHMARKS.md), so `load_pipeline` starts it beside loading
-    the weights when it will compile for a CPU; `cpu_isa_scope` joins it.
-    Loading a package does not need it (`load_runner`).
-    """
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-    global _probe
-    if _probe is None:
-        _probe = threading.Thread(target=valid_vec_isa_list, name="probe-cpu-isa", daemon=True)
-        _probe.start()
-    return _probe
-
-
-_probe: threading.Thread | None = None
-
-
-def wait_for_cpu_isa_probe() -> None:
-    """Wait for the probe if `probe_cpu_isa_in_background` started it; start nothing.
-
-    Called before the first `@spaces.GPU` call: on ZeroGPU that call forks the worker, and a fork
-    must not copy a thread in the middle of its work (the locks it holds stay held in the child).
-    The finished probe's result is cached (`valid_vec_isa_list`), so the worker inherits it.
-    """
-    if _probe is not None:
-        _probe.join()
-
-
 def load_runner(package: bytes) -> Any:
     """Load the AOTInductor model in a `.pt2` package's bytes; returns the runner.
 
@@ -458,7 +378,7 @@ def load_runner(package: bytes) -> Any:
 
     This is the loader `torch._inductor.aoti_load_package` wraps (`AOTIModelPackageLoader`, as its
     own fallback calls it) without the device-information check in front of it: that check only
-    warns on a mismatch, and it runs the CPU ISA probe (`probe_cpu_isa_in_background`), which takes
+    warns on a mismatch, and it runs the CPU ISA probe (`cpu_isa.probe_in_background`), which takes
     far longer than the load (see BENCHMARKS.md). Packages are checked before they get here
     instead (`packages.load_packages`): the CPU architecture, CUDA and compute capability must
     match, and this CPU must have every vector extension of the CPU they were built on; a set

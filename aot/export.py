@@ -19,15 +19,14 @@ import torch
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+from aot import cpu_isa
 from aot.blocks import (
     BlockPackage,
     Call,
     Compiled,
     Contract,
     bind,
-    built_cpu_isa,
     contract_from_captures,
-    cpu_isa_scope,
     forward_signature,
     rel_error,
     repeated_blocks,
@@ -231,7 +230,7 @@ def compile_blocks(
         classes[name] = (block, inputs, contract, references)
 
     walked = list(trials.skipped)
-    with cpu_isa_scope(transformer.device):  # the probe's vector ISA, or none for CUDA (blocks.needs_cpu_isa_probe)
+    with cpu_isa.compile_scope(transformer.device):  # vector ISA and target (cpu_isa.py)
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
                 packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
@@ -249,7 +248,7 @@ def compile_blocks(
     log.info("%s", attention)
     log.info("%s", fp8)
     valid_for = fingerprint(transformer, resolution, attention, fp8, options)
-    valid_for["cpu_isa"] = built_cpu_isa()  # what the packages' C++ may use (packages.cpu_isa_problem)
+    valid_for["cpu_isa"] = cpu_isa.built_for(transformer.device)  # what the packages need (cpu_isa.problem)
     fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 

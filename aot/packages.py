@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from aot import cpu_isa
 from aot.blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
 from aot.fast_paths import FA3_KERNEL_VERSION, Decision, Trials, one_line
 from aot.options import Options, Resolution
@@ -81,8 +82,8 @@ def fingerprint(
         "diffusers": diffusers.__version__,
         "kernels": kernels.__version__,
         "device": device_name,
-        # Each package holds C++ for this architecture; `compile_blocks` adds this CPU's vector
-        # extensions ("cpu_isa", blocks.built_cpu_isa).
+        # Each package holds C++ for this architecture; `compile_blocks` adds what it needs of the
+        # CPU ("cpu_isa", cpu_isa.built_for).
         "machine": platform.machine(),
         "dtype": dtype_name(transformer.dtype),
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
@@ -111,7 +112,7 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     """Human-readable fingerprint differences, e.g. `torch: 2.11.0 (packages) vs 2.13.0 (here)`."""
     out = []
     for key in sorted(set(saved) | set(here)):
-        if key in ("blocks", "cpu_isa"):  # cpu_isa: a property of the packages, see cpu_isa_problem
+        if key in ("blocks", "cpu_isa"):  # cpu_isa: a property of the packages, see cpu_isa.problem
             continue
         if saved.get(key) != here.get(key):
             out.append(f"{key}: {saved.get(key)} (packages) vs {here.get(key)} (here)")
@@ -126,26 +127,6 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
                 detail = _first_weight_difference(a, b) if field == "weights" else f"{a[field]} vs {b[field]}"
                 out.append(f"{name} {field} differ: {detail}")
     return out
-
-
-def cpu_isa_problem(cpu_isa: str) -> str | None:
-    """Why this CPU cannot run C++ built for `cpu_isa`, or None. `cpu_isa` names vector extensions
-    in torch's words: the building CPU's (`blocks.built_cpu_isa`, e.g. `avx2 avx512 avx512_vnni`;
-    "" for none) or, in older packages, Inductor's vector ISA (e.g. `avx512 avx512_vnni`).
-
-    Torch's own rule for a usable ISA (`cpu_vec_isa.valid_vec_isa_list`): every flag of it is in
-    `x86_isa_checker()`, which asks the CPU (under a millisecond; no test builds). Other
-    architectures have no finer names than the architecture, which the fingerprint compares.
-    """
-    from torch._inductor.cpu_vec_isa import x86_isa_checker
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    have = x86_isa_checker()
-    missing = [flag for flag in cpu_isa.split() if flag not in have]
-    if missing:
-        return f"the packages were built for CPU ISA {cpu_isa!r}; this CPU lacks {', '.join(missing)}"
-    return None
 
 
 def _first_weight_difference(a: dict, b: dict) -> str:
@@ -438,7 +419,7 @@ def _read_packages(
         raise Refused("fingerprint differs: " + "; ".join(diff[:3]))
     if not isinstance(saved.get("cpu_isa"), str):
         raise Refused(f"{config_name} records no cpu_isa")
-    problem = cpu_isa_problem(saved["cpu_isa"])
+    problem = cpu_isa.problem(saved["cpu_isa"])
     if problem:
         raise Refused(problem)
     packages = {}

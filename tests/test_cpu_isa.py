@@ -1,5 +1,6 @@
-"""The CPU ISA rule (blocks.needs_cpu_isa_probe): a CUDA compile starts no probe and picks no vector
-ISA, and what a package's native code needs of a CPU is what its fingerprint records."""
+"""What a package's native code asks of the CPU (aot/cpu_isa.py): a CUDA compile starts no probe and
+picks no vector ISA, no compile targets more than the x86-64 baseline, and what a package's machine
+code needs is what its fingerprint records."""
 
 import os
 import platform
@@ -16,8 +17,8 @@ import torch
 from conftest import TOLERANCE, load_tiny
 from torch._inductor import config
 
-from aot import blocks
-from aot.blocks import bind, built_cpu_isa, cpu_isa_scope, needs_cpu_isa_probe, rel_error, repeated_blocks
+from aot import cpu_isa
+from aot.blocks import bind, rel_error, repeated_blocks
 from aot.export import capture_blocks, compile_package, export_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,15 +35,15 @@ sys.path.insert(0, {ROOT!r})
 import torch
 from torch._inductor import config
 from torch._inductor.cpu_vec_isa import InvalidVecISA, pick_vec_isa
-from aot import blocks
+from aot import cpu_isa
 cuda = torch.device("cuda")
-assert not blocks.needs_cpu_isa_probe(cuda)
+assert not cpu_isa.needs_probe(cuda)
 start = time.perf_counter()
-with blocks.cpu_isa_scope(cuda):
+with cpu_isa.compile_scope(cuda):
     assert config.cpp.vec_isa_ok is False and config.cpp.simdlen == 0
     assert isinstance(pick_vec_isa(), InvalidVecISA), pick_vec_isa()
 seconds = time.perf_counter() - start
-assert blocks._probe is None, "a probe was started"
+assert cpu_isa._probe is None, "a probe was started"
 assert not [t for t in threading.enumerate() if t.name == "probe-cpu-isa"]
 assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None, "config not restored"
 print(f"no probe: {{seconds:.3f}} s")
@@ -58,9 +59,9 @@ print(f"no probe: {{seconds:.3f}} s")
 
 
 def test_a_cpu_compile_joins_the_probe_with_the_config_as_it_was():
-    assert needs_cpu_isa_probe(CPU) and not needs_cpu_isa_probe(CUDA)
-    with cpu_isa_scope(CPU):
-        assert blocks._probe is not None and not blocks._probe.is_alive(), "the probe was not joined"
+    assert cpu_isa.needs_probe(CPU) and not cpu_isa.needs_probe(CUDA)
+    with cpu_isa.compile_scope(CPU):
+        assert cpu_isa._probe is not None and not cpu_isa._probe.is_alive(), "the probe was not joined"
         assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None
 
 
@@ -90,18 +91,54 @@ def vector_instructions(package: bytes, tmp_path) -> Counter:
     return counts
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction classes")
-def test_the_recorded_cpu_isa_covers_what_a_package_without_vector_isa_uses(compiled, tmp_path):
-    """How "a package saved on one machine loads on another x86-64 CPU" is checked here: it may run
-    on any CPU with every extension its fingerprint records (packages.cpu_isa_problem), so the
-    record must cover every extension its machine code uses.
+X86_LINUX = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64", reason="the portable target is x86-64 Linux's"
+)
 
-    The block is compiled with the CUDA setting forced (test-only: `cpu_isa_scope(cuda)` around a
-    CPU block's compile; a real CUDA compile cannot run here) and compared with the session's
-    package, built after the probe. Without a vector ISA Inductor's own vector code is gone (fewer
-    ymm and zmm instructions where the probe found AVX2), but Inductor still compiles with
-    `-march=native`, so gcc may use this CPU's extensions anyway: the record names them
-    (`built_cpu_isa`), it does not say "none".
+
+@X86_LINUX
+def test_the_portable_compiler_targets_the_x86_64_baseline_whatever_inductor_asks():
+    """gcc's own answer, not an instruction count: the macros it predefines for `-march=native`
+    (Inductor's flag) through the wrapper are the baseline's, and the wrapper compiles."""
+    compiler = cpu_isa.portable_compiler()
+    assert compiler is not None and os.access(compiler, os.X_OK)
+    assert os.path.basename(compiler) in ("g++", "c++", "clang++") or "g++" in os.path.basename(compiler)
+
+    def macros(cxx):
+        done = subprocess.run(
+            [cxx, "-march=native", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return set(re.findall(r"#define (__\w+__) ", done.stdout))
+
+    ours = macros(compiler)
+    assert "__SSE2__" in ours and "__x86_64__" in ours
+    assert not {m for m in ours if m.startswith(("__AVX", "__SSE4", "__FMA", "__F16C", "__BMI", "__AMX"))}, ours
+    native = macros(shutil.which(os.path.basename(compiler)) or compiler)
+    if "avx2" in torch._inductor.cpu_vec_isa.x86_isa_checker():  # the native target really is wider here
+        assert "__AVX2__" in native, "this CPU has AVX2 but -march=native does not say so"
+
+
+def test_the_scope_sets_the_compiler_and_restores_it():
+    before = config.cpp.cxx
+    with cpu_isa.compile_scope(CUDA):
+        if cpu_isa.portable_compiler() is not None:
+            assert config.cpp.cxx == (None, cpu_isa.portable_compiler())
+    assert config.cpp.cxx == before
+
+
+@X86_LINUX
+def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it_uses(compiled, tmp_path):
+    """How "a package saved on one machine loads on another x86-64 CPU" is checked here: it may run
+    on any CPU with every extension its fingerprint records (cpu_isa.problem), so the record must
+    cover every extension its machine code uses.
+
+    The block is compiled with the CUDA setting forced (test-only: `compile_scope(cuda)` around a
+    CPU block's compile; a real CUDA compile cannot run here): no vector ISA and the portable
+    target, so its machine code uses no AVX of any width, and a CUDA compile records "". Before
+    the portable target, gcc's `-march=native` put AVX2 (ymm) instructions into the same package on
+    this machine (BENCHMARKS.md). The session's package is a CPU compile (after the probe): its
+    vector code is the probe's, and its record names at least that.
     """
     if shutil.which("objdump") is None:
         pytest.skip("objdump is not installed (apt-get install binutils): the machine code cannot be read")
@@ -110,21 +147,24 @@ def test_the_recorded_cpu_isa_covers_what_a_package_without_vector_isa_uses(comp
     (calls,) = capture_blocks(pipe, {BLOCK: block}, [(512, 512)])
     kwargs = calls[BLOCK][1]
     exported = export_block(block, kwargs, compiled.packages[BLOCK].contract)
-    with cpu_isa_scope(CUDA):
+    with cpu_isa.compile_scope(CUDA):
         package = compile_package(exported)
     runner, _ = bind(package, block)
     with torch.no_grad():
         assert rel_error(runner(**kwargs), block(**kwargs)) < TOLERANCE
 
     used = vector_instructions(package, tmp_path)
-    recorded = built_cpu_isa().split()
+    assert used == Counter(), f"a package for CUDA uses {dict(used)}: more than the x86-64 baseline"
+    assert cpu_isa.built_for(CUDA) == ""
+
+    recorded = cpu_isa.built_for(CPU).split()
     assert compiled.fingerprint["cpu_isa"] == " ".join(recorded)
-    if used["avx512"]:
-        assert "avx512" in recorded, f"{used}, recorded {recorded}"
-    if used["avx2"]:
-        assert {"avx2", "avx512"} & set(recorded), f"{used}, recorded {recorded}"
-    if used["avx"]:
-        assert recorded, f"{used}: VEX code needs AVX, recorded nothing"
+    probed = vector_instructions(compiled.packages[BLOCK].package, tmp_path)
+    if probed["avx512"]:
+        assert "avx512" in recorded, f"{probed}, recorded {recorded}"
+    if probed["avx2"]:
+        assert {"avx2", "avx512"} & set(recorded), f"{probed}, recorded {recorded}"
+    if probed["avx"]:
+        assert recorded, f"{probed}: VEX code needs AVX, recorded nothing"
     if "avx2" in recorded:  # the probe found AVX2 or more: Inductor's vector code uses ymm or zmm
-        probed = vector_instructions(compiled.packages[BLOCK].package, tmp_path)
-        assert used["avx2"] + used["avx512"] < probed["avx2"] + probed["avx512"], f"{used} vs {probed}"
+        assert probed["avx2"] + probed["avx512"] > 0, probed

@@ -1,0 +1,178 @@
+"""What a package's native code asks of the CPU: how it is compiled, what it records, what is checked.
+
+A package holds C++ built by Inductor: for a CPU its kernels, for CUDA the wrapper that launches
+the GPU kernels. Two things decide which CPUs can run it:
+
+* the **vector ISA** (AVX2, AVX-512, ...) Inductor picks for its own vector code, found by torch's
+  probe, which builds and loads test programs (tens of seconds per process: BENCHMARKS.md). Only a
+  CPU compile needs it (`needs_probe`); a CUDA compile picks none and starts no probe.
+* the **target architecture** gcc compiles for. Torch 2.11 builds every package with
+  `-march=native` (`cpp_builder._get_optimization_cflags`, no setting turns it off), so a package
+  may use any extension of the CPU it was built on, a CUDA wrapper too (AVX-512 on the H200 host,
+  BENCHMARKS.md), and then dies with SIGILL on a CPU without it. `compile_scope` compiles through a
+  wrapper around the compiler that puts `-march=x86-64 -mtune=generic` last (gcc and clang take the
+  last `-march`), so nothing beyond the x86-64 baseline is used unless the vector ISA asks for it.
+
+`compile_scope` is where packages are compiled; `built_for` is what their fingerprint records,
+and `problem` is the check before a load (`packages.load_packages`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import tempfile
+import threading
+from typing import Iterator
+
+import torch
+
+# Appended to every C++ compile on x86-64 Linux (the last -march wins): the baseline every x86-64
+# CPU runs (SSE2), tuned for none in particular.
+PORTABLE_FLAGS = ("-march=x86-64", "-mtune=generic")
+
+
+def needs_probe(device: torch.device) -> bool:
+    """Whether compiling packages for `device` needs torch's CPU vector-ISA probe
+    (`probe_in_background`): the one rule, read wherever the probe is started or joined.
+
+    On a CPU the package's kernels are C++, vectorized for the ISA the probe finds. For CUDA the
+    package's C++ is the wrapper that launches the GPU kernels, which vector code does not speed
+    up, so a CUDA compile skips the probe and its tens of seconds per process (BENCHMARKS.md).
+    """
+    return device.type != "cuda"
+
+
+@contextlib.contextmanager
+def compile_scope(device: torch.device) -> Iterator[None]:
+    """Compile packages for `device` inside this.
+
+    * Vector ISA: after the probe (joined here) where `needs_probe`, else none: Inductor's
+      `cpp.vec_isa_ok = False`, under which `cpu_vec_isa.pick_vec_isa` builds no test program, and
+      `cpp.simdlen = 0`, so that it picks none also in a process that probed before. Torch keeps
+      its answers per process (`valid_vec_isa_list`, each ISA's `__bool__`): where the first is made
+      in here, a later CPU compile in this process gets no vector ISA either (a process compiles
+      for one device).
+    * Target: on x86-64 Linux, Inductor's compiler (`cpp.cxx`) is `portable_compiler()`, so the
+      code needs nothing of the CPU beyond the x86-64 baseline and the vector ISA.
+    """
+    settings = {}
+    if needs_probe(device):
+        probe_in_background().join()
+    else:
+        settings.update({"cpp.vec_isa_ok": False, "cpp.simdlen": 0})
+    compiler = portable_compiler()
+    if compiler is not None:
+        settings["cpp.cxx"] = (None, compiler)
+    with torch._inductor.config.patch(settings):
+        yield
+
+
+@functools.cache
+def portable_compiler() -> str | None:
+    """Path of a wrapper around Inductor's C++ compiler that appends `PORTABLE_FLAGS`; None off
+    x86-64 Linux (elsewhere torch's own flags stay: other architectures are compared whole by the
+    fingerprint's `machine`).
+
+    The wrapper is a two-line `sh` script in the temp folder, named by a hash of what it runs (so
+    Inductor's caches see one compiler per setting) and after the compiler (`g++`, `clang++`: Inductor
+    picks its flag dialect by that name). It is written atomically once per process that needs it.
+
+    Raises:
+        torch._inductor.exc.InvalidCxxCompiler: no C++ compiler (Inductor's search, `CXX` or `g++`).
+    """
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return None
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    found = get_cpp_compiler()  # called before any compile_scope patches it (this is cached)
+    compiler = shutil.which(found) or found
+    script = (
+        "#!/bin/sh\n"
+        "# aot/cpu_isa.py: Inductor's C++ compiler, with -march=x86-64 last (the last -march wins)\n"
+        f'exec {shlex.quote(compiler)} "$@" {" ".join(PORTABLE_FLAGS)}\n'
+    )
+    digest = hashlib.sha256(script.encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"aot-cxx-{digest}")
+    path = os.path.join(folder, os.path.basename(compiler))
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(script)
+        os.chmod(partial, 0o755)
+        os.replace(partial, path)
+    return path
+
+
+def built_for(device: torch.device) -> str:
+    """The CPU ISA a package compiled for `device` in `compile_scope` needs, as its fingerprint
+    records it (`cpu_isa`, checked by `problem`): extensions in torch's names, "" for none.
+
+    * CUDA: "" on x86-64 Linux (`portable_compiler`: the baseline only, no vector ISA).
+    * CPU: this CPU's vector extensions (`x86_isa_checker`, which asks the CPU: no test builds),
+      e.g. `avx2 avx512 avx512_vnni`: the probe picks the widest of them that builds, and the
+      kernels need it.
+    """
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    if not needs_probe(device) and portable_compiler() is not None:
+        return ""
+    return " ".join(x86_isa_checker())
+
+
+def problem(cpu_isa: str) -> str | None:
+    """Why this CPU cannot run C++ built for `cpu_isa`, or None. `cpu_isa` names vector extensions
+    in torch's words: `built_for`'s (e.g. `avx2 avx512 avx512_vnni`; "" for none) or, in older
+    packages, the building CPU's or Inductor's vector ISA (e.g. `avx512 avx512_vnni`).
+
+    Torch's own rule for a usable ISA (`cpu_vec_isa.valid_vec_isa_list`): every flag of it is in
+    `x86_isa_checker()`, which asks the CPU (under a millisecond; no test builds). Other
+    architectures have no finer names than the architecture, which the fingerprint compares.
+    """
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    have = x86_isa_checker()
+    missing = [flag for flag in cpu_isa.split() if flag not in have]
+    if missing:
+        return f"the packages were built for CPU ISA {cpu_isa!r}; this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def probe_in_background() -> threading.Thread:
+    """Start torch's CPU vector-ISA probe on a thread (once per process); returns it.
+
+    A compile for a CPU needs it (`needs_probe`): Inductor picks the package's vector flags with it
+    (`cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test programs, each
+    load in a child Python (see BENCHMARKS.md), so `load_pipeline` starts it beside loading the
+    weights when it will compile for a CPU; `compile_scope` joins it. Loading a package does not
+    need it (`blocks.load_runner`).
+    """
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    global _probe
+    if _probe is None:
+        _probe = threading.Thread(target=valid_vec_isa_list, name="probe-cpu-isa", daemon=True)
+        _probe.start()
+    return _probe
+
+
+_probe: threading.Thread | None = None
+
+
+def wait_for_probe() -> None:
+    """Wait for the probe if `probe_in_background` started it; start nothing.
+
+    Called before the first `@spaces.GPU` call: on ZeroGPU that call forks the worker, and a fork
+    must not copy a thread in the middle of its work (the locks it holds stay held in the child).
+    The finished probe's result is cached (`valid_vec_isa_list`), so the worker inherits it.
+    """
+    if _probe is not None:
+        _probe.join()
