@@ -378,7 +378,7 @@ def load_runner(package: bytes) -> Any:
 
     This is the loader `torch._inductor.aoti_load_package` wraps (`AOTIModelPackageLoader`, as its
     own fallback calls it) without the device-information check in front of it: that check only
-    warns on a mismatch, and it runs the CPU ISA probe (`cpu_isa.probe_in_background`), which takes
+    warns on a mismatch, and it runs the CPU ISA probe (`native.probe_in_background`), which takes
     far longer than the load (see BENCHMARKS.md). Packages are checked before they get here
     instead (`packages.load_packages`): the CPU architecture, CUDA and compute capability must
     match, and this CPU must have every vector extension of the CPU they were built on; a set

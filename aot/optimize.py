@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from aot import cpu_isa, lora, text_fp8, zerogpu
+from aot import lora, native, text_fp8, zerogpu
 from aot.blocks import (
     Compiled,
     Report,
@@ -57,7 +57,7 @@ def optimize_(
     graphs = resolve_cuda_graphs(options, pipe.transformer.device)
     unpatch_forward(pipe.transformer, GraphedStep)  # its graphs replay the blocks being replaced
     if compiled is None:
-        cpu_isa.wait_for_probe()  # no thread may be mid-work when the GPU call forks (ZeroGPU)
+        native.wait_for_probe()  # no thread may be mid-work when the GPU call forks (ZeroGPU)
         _pipeline, _target = pipe, target or Target.of(pipe, options)
         try:
             compiled = zerogpu.gpu(_load_or_compile, duration=zerogpu.STARTUP_SECONDS, size=options.gpu_size)(options)

@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from aot import cpu_isa
+from aot import native
 from aot.blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
 from aot.fast_paths import FA3_KERNEL_VERSION, Decision, Trials, one_line
 from aot.options import Options, Resolution
@@ -83,7 +83,7 @@ def fingerprint(
         "kernels": kernels.__version__,
         "device": device_name,
         # Each package holds C++ for this architecture; `compile_blocks` adds what it needs of the
-        # CPU ("cpu_isa", cpu_isa.built_for).
+        # CPU ("cpu_isa", native.isa_built_for) and of the C library ("glibc", native.glibc_needed).
         "machine": platform.machine(),
         "dtype": dtype_name(transformer.dtype),
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
@@ -112,7 +112,7 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     """Human-readable fingerprint differences, e.g. `torch: 2.11.0 (packages) vs 2.13.0 (here)`."""
     out = []
     for key in sorted(set(saved) | set(here)):
-        if key in ("blocks", "cpu_isa"):  # cpu_isa: a property of the packages, see cpu_isa.problem
+        if key in ("blocks", "cpu_isa", "glibc"):  # properties of the packages: native.isa_problem, glibc_problem
             continue
         if saved.get(key) != here.get(key):
             out.append(f"{key}: {saved.get(key)} (packages) vs {here.get(key)} (here)")
@@ -417,11 +417,12 @@ def _read_packages(
         raise Refused(f"{config_name} has a malformed fingerprint: {type(exc).__name__}: {exc}") from None
     if diff:
         raise Refused("fingerprint differs: " + "; ".join(diff[:3]))
-    if not isinstance(saved.get("cpu_isa"), str):
-        raise Refused(f"{config_name} records no cpu_isa")
-    problem = cpu_isa.problem(saved["cpu_isa"])
-    if problem:
-        raise Refused(problem)
+    for key, check in (("cpu_isa", native.isa_problem), ("glibc", native.glibc_problem)):
+        if not isinstance(saved.get(key), str):
+            raise Refused(f"{config_name} records no {key} (saved before it was recorded: compile again)")
+        problem = check(saved[key])
+        if problem:
+            raise Refused(problem)
     packages = {}
     for block, meta in config["blocks"].items():
         relative = f"{block}.{name}/{PACKAGE}"  # `block` is one of this model's class names (_check_config)

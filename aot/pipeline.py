@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from aot import cpu_isa, lora
+from aot import lora, native
 from aot.families import family, vae_scale_factor
 from aot.fast_paths import (
     refuse_impossible_requests,
@@ -33,7 +33,7 @@ def load_pipeline(options: Options) -> Any:
     supported, the side range against the model's pixel step (read from its VAE config), a save
     folder that cannot be written, a Hub that cannot be reached, a model too large for a machine
     without CUDA. Beside the weights it starts the CPU ISA probe a compile for a CPU needs
-    (`cpu_isa.needs_probe`; a CUDA compile skips it), unless nothing is compiled
+    (`native.needs_probe`; a CUDA compile skips it), unless nothing is compiled
     (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does not need it; if they are
     then refused, the compile waits for the probe).
 
@@ -83,8 +83,8 @@ def load_pipeline(options: Options) -> Any:
             )
     vae = _model_config(getattr(diffusers, index["vae"][1]), options.model, "vae")
     options.resolution(vae_scale_factor=vae_scale_factor(vae))
-    if options.compile and not options.load and cpu_isa.needs_probe(device):
-        cpu_isa.probe_in_background()  # it overlaps with loading the weights
+    if options.compile and not options.load and native.needs_probe(device):
+        native.probe_in_background()  # it overlaps with loading the weights
     pipe = getattr(diffusers, pipeline_class).from_pretrained(options.model, dtype=dtype).to(device)
     if options.lora_specs:
         lora.fuse_(pipe, list(options.lora_specs))

@@ -13,7 +13,7 @@ What runs where, in this template:
     ---------------------------------------------   -------------------------------------------------
     load the weights (`.to("cuda")`: emulated);     startup (`optimize._load_or_compile`): the
     no CPU ISA probe (a CUDA compile needs none:    text encoders' FP8 trial, then the card's plan
-    `cpu_isa.needs_probe`)                          of trials (attention, FP8), load + verify saved
+    `native.needs_probe`)                          of trials (attention, FP8), load + verify saved
                                                      packages or capture + export + compile; only
                                                      the packages (bytes) and decisions cross back
     apply_: FP8-quantize the blocks' and the text

@@ -20,7 +20,7 @@ import torch
 from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 
-from aot import cpu_isa, packages
+from aot import native, packages
 from aot.blocks import rel_error
 from aot.fast_paths import Trials
 from aot.optimize import optimize_
@@ -42,7 +42,7 @@ def test_layout_is_what_spaces_reads_and_holds_no_weights_or_paths(saved):
         [f"config.{VARIANT}.json", *(f"{c}.{VARIANT}" for c in CLASSES)]
     )
     config = (saved / f"config.{VARIANT}.json").read_text()
-    assert json.loads(config)["fingerprint"]["cpu_isa"] == cpu_isa.built_for(torch.device("cpu"))  # a CPU compile's
+    assert json.loads(config)["fingerprint"]["cpu_isa"] == native.isa_built_for(torch.device("cpu"))  # a CPU compile's
     for private in (str(ROOT), str(Path.home()), str(saved), "/tmp/"):
         assert private not in config
     for block in CLASSES:
@@ -121,6 +121,11 @@ BREAKAGES = {
         lambda f: _edit_fingerprint(f, cpu_isa="avx2 no_such_flag"),
         "built for CPU ISA 'avx2 no_such_flag'; this CPU lacks .*no_such_flag",
     ),
+    # A package set built on a newer system (e.g. Ubuntu 24.04's glibc 2.39) and loaded on an older one.
+    "newer glibc": (
+        lambda f: _edit_fingerprint(f, glibc="2.99"),
+        r"the packages need glibc 2\.99 \(they were built on a newer system\); this machine has",
+    ),
     "missing package": (lambda f: _package(f).unlink(), "package.pt2 is missing"),
     "truncated package": (lambda f: _package(f).write_bytes(_package(f).read_bytes()[:1000]), "truncated"),
     "corrupt package": (lambda f: _flip_bytes(_package(f)), "does not match its SHA-256"),
@@ -135,8 +140,8 @@ BREAKAGES = {
 
 
 def test_packages_that_need_no_vector_extension_load_on_this_cpu(copy):
-    # "" is what a CUDA compile records on x86-64 Linux (cpu_isa.built_for).
-    assert cpu_isa.problem("") is None
+    # "" is what a CUDA compile records on x86-64 Linux (native.isa_built_for).
+    assert native.isa_problem("") is None
     _edit_fingerprint(copy, cpu_isa="")
     compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
     assert compiled is not None, reason
@@ -269,6 +274,7 @@ MALFORMED = {
         "has a malformed fingerprint: TypeError",
     ),
     "cpu_isa a number": (lambda c: c["fingerprint"].__setitem__("cpu_isa", 1), "records no cpu_isa"),
+    "no glibc": (lambda c: c["fingerprint"].pop("glibc"), "records no glibc"),
     "no contract": (_set_meta("contract", None), "FluxTransformerBlock metadata is malformed: TypeError"),
     "dtype not a dtype": (
         lambda c: c["blocks"]["FluxTransformerBlock"]["contract"]["tensors"][0].__setitem__("dtype", "load"),

@@ -14,7 +14,7 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     ready s      compile: regional compile from scratch (* = second compile in its process);
                  warm start: load + verify + apply the saved packages and run the first step
     ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process where the
-                 compile needs it (on a CPU; cpu_isa.needs_probe), - on CUDA; a Space runs it
+                 compile needs it (on a CPU; native.needs_probe), - on CUDA; a Space runs it
                  while loading the weights; not part of ready s
     peak GiB     peak allocated GPU memory during that generation
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from aot import cpu_isa
+from aot import native
 from aot.blocks import (
     forward_signature,
     rel_error,
@@ -415,14 +415,14 @@ def build(args, load: str | None = None):
     """The pipeline to measure, loaded as `load_pipeline` loads it: with the CPU ISA probe a compile
     for a CPU needs running beside, unless packages are to be loaded from `load` (a warm start)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    probe = not load and cpu_isa.needs_probe(torch.device(device))
+    probe = not load and native.needs_probe(torch.device(device))
     if args.family:
         if probe:
-            cpu_isa.probe_in_background()
+            native.probe_in_background()
         return family_pipeline(args.family, device, args.layers, args.heads)
     if args.model == RANDOM:
         if probe:
-            cpu_isa.probe_in_background()
+            native.probe_in_background()
         return random_flux_dev(device)
     return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
@@ -452,9 +452,9 @@ def worker(names: list[str], args) -> None:
                 options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
                 if name == "all":
                     options = dataclasses.replace(options, save=str(work / "packages"))
-                if cpu_isa.needs_probe(pipe.transformer.device):
+                if native.needs_probe(pipe.transformer.device):
                     start = time.perf_counter()
-                    cpu_isa.probe_in_background().join()  # once per process; a Space overlaps it with the weights
+                    native.probe_in_background().join()  # once per process; a Space overlaps it with the weights
                     row["isa_probe_s"] = time.perf_counter() - start
                 start = time.perf_counter()
                 report = optimize_(pipe, options)
@@ -558,8 +558,8 @@ def lora_switching(args) -> dict:
     pipe.load_lora_weights(str(source), adapter_name="random")
     _, reference = generate(pipe, args.size, args.steps)  # eager + peft's LoRA layers
     pipe.unload_lora_weights()  # plain layers again, base weights untouched (nothing was fused)
-    if cpu_isa.needs_probe(pipe.transformer.device):
-        cpu_isa.probe_in_background().join()
+    if native.needs_probe(pipe.transformer.device):
+        native.probe_in_background().join()
     start = time.perf_counter()
     report = optimize_(pipe, Options.from_env())
     row["ready_s"] = time.perf_counter() - start

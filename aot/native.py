@@ -1,7 +1,8 @@
-"""What a package's native code asks of the CPU: how it is compiled, what it records, what is checked.
+"""What a package's native code asks of the machine it loads on: how it is compiled, what its
+fingerprint records, what is checked before a load.
 
 A package holds C++ built by Inductor: for a CPU its kernels, for CUDA the wrapper that launches
-the GPU kernels. Two things decide which CPUs can run it:
+the GPU kernels. Three things decide which machines can run it:
 
 * the **vector ISA** (AVX2, AVX-512, ...) Inductor picks for its own vector code, found by torch's
   probe, which builds and loads test programs (tens of seconds per process: BENCHMARKS.md). Only a
@@ -12,9 +13,14 @@ the GPU kernels. Two things decide which CPUs can run it:
   BENCHMARKS.md), and then dies with SIGILL on a CPU without it. `compile_scope` compiles through a
   wrapper around the compiler that puts `-march=x86-64 -mtune=generic` last (gcc and clang take the
   last `-march`), so nothing beyond the x86-64 baseline is used unless the vector ISA asks for it.
+* the **C library**: the wrapper links against glibc's versioned symbols as the building machine's
+  headers name them, so a package built on a newer glibc does not load on an older one (built on the
+  H200's Ubuntu 24.04, glibc 2.39, a FLUX package needs 2.38 for `__isoc23_strtol`: Debian 12, the
+  base of many Space images, has 2.36; BENCHMARKS.md). `glibc_needed` reads what a package needs.
 
-`compile_scope` is where packages are compiled; `built_for` is what their fingerprint records,
-and `problem` is the check before a load (`packages.load_packages`).
+`compile_scope` is where packages are compiled; `isa_built_for` and `glibc_needed` are what their
+fingerprint records, and `isa_problem` and `glibc_problem` the checks before a load
+(`packages.load_packages`).
 """
 
 from __future__ import annotations
@@ -22,13 +28,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import platform
+import re
 import shlex
 import shutil
 import tempfile
 import threading
-from typing import Iterator
+import zipfile
+from typing import Any, Iterator
 
 import torch
 
@@ -50,27 +59,32 @@ def needs_probe(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def compile_scope(device: torch.device) -> Iterator[None]:
-    """Compile packages for `device` inside this.
+    """Compile packages for `device` inside this: after the probe (joined here) where `needs_probe`,
+    under `settings(device)`."""
+    if needs_probe(device):
+        probe_in_background().join()
+    with torch._inductor.config.patch(settings(device)):
+        yield
 
-    * Vector ISA: after the probe (joined here) where `needs_probe`, else none: Inductor's
+
+def settings(device: torch.device) -> dict[str, Any]:
+    """The Inductor settings a compile for `device` runs under (`compile_scope`; a compile worker
+    gets them with its job, `compile_workers.CompileWorkers`): JSON-able, a tuple as a list.
+
+    * Vector ISA: where `needs_probe`, the probe's (no setting); else none: Inductor's
       `cpp.vec_isa_ok = False`, under which `cpu_vec_isa.pick_vec_isa` builds no test program, and
       `cpp.simdlen = 0`, so that it picks none also in a process that probed before. Torch keeps
       its answers per process (`valid_vec_isa_list`, each ISA's `__bool__`): where the first is made
-      in here, a later CPU compile in this process gets no vector ISA either (a process compiles
+      under these, a later CPU compile in this process gets no vector ISA either (a process compiles
       for one device).
     * Target: on x86-64 Linux, Inductor's compiler (`cpp.cxx`) is `portable_compiler()`, so the
       code needs nothing of the CPU beyond the x86-64 baseline and the vector ISA.
     """
-    settings = {}
-    if needs_probe(device):
-        probe_in_background().join()
-    else:
-        settings.update({"cpp.vec_isa_ok": False, "cpp.simdlen": 0})
+    out: dict[str, Any] = {} if needs_probe(device) else {"cpp.vec_isa_ok": False, "cpp.simdlen": 0}
     compiler = portable_compiler()
     if compiler is not None:
-        settings["cpp.cxx"] = (None, compiler)
-    with torch._inductor.config.patch(settings):
-        yield
+        out["cpp.cxx"] = (None, compiler)
+    return out
 
 
 @functools.cache
@@ -94,7 +108,7 @@ def portable_compiler() -> str | None:
     compiler = shutil.which(found) or found
     script = (
         "#!/bin/sh\n"
-        "# aot/cpu_isa.py: Inductor's C++ compiler, with -march=x86-64 last (the last -march wins)\n"
+        "# aot/native.py: Inductor's C++ compiler, with -march=x86-64 last (the last -march wins)\n"
         f'exec {shlex.quote(compiler)} "$@" {" ".join(PORTABLE_FLAGS)}\n'
     )
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
@@ -110,9 +124,9 @@ def portable_compiler() -> str | None:
     return path
 
 
-def built_for(device: torch.device) -> str:
+def isa_built_for(device: torch.device) -> str:
     """The CPU ISA a package compiled for `device` in `compile_scope` needs, as its fingerprint
-    records it (`cpu_isa`, checked by `problem`): extensions in torch's names, "" for none.
+    records it (`cpu_isa`, checked by `isa_problem`): extensions in torch's names, "" for none.
 
     * CUDA: "" on x86-64 Linux (`portable_compiler`: the baseline only, no vector ISA).
     * CPU: this CPU's vector extensions (`x86_isa_checker`, which asks the CPU: no test builds),
@@ -126,7 +140,7 @@ def built_for(device: torch.device) -> str:
     return " ".join(x86_isa_checker())
 
 
-def problem(cpu_isa: str) -> str | None:
+def isa_problem(cpu_isa: str) -> str | None:
     """Why this CPU cannot run C++ built for `cpu_isa`, or None. `cpu_isa` names vector extensions
     in torch's words: `built_for`'s (e.g. `avx2 avx512 avx512_vnni`; "" for none) or, in older
     packages, the building CPU's or Inductor's vector ISA (e.g. `avx512 avx512_vnni`).
@@ -143,6 +157,46 @@ def problem(cpu_isa: str) -> str | None:
     missing = [flag for flag in cpu_isa.split() if flag not in have]
     if missing:
         return f"the packages were built for CPU ISA {cpu_isa!r}; this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def glibc_needed(package: bytes) -> str:
+    """The newest glibc symbol version the shared objects in a `.pt2` package's bytes link against,
+    e.g. "2.38" (what the dynamic loader checks); "" where they name none (no glibc: another C
+    library, or a platform without one).
+
+    Read from the version names in the objects' dynamic string tables (`GLIBC_2.38`), without
+    loading them: `objdump -T` lists the same.
+    """
+    versions = set()
+    with zipfile.ZipFile(io.BytesIO(package)) as archive:
+        for name in archive.namelist():
+            if name.endswith(".so"):
+                versions.update(re.findall(rb"GLIBC_(\d+)\.(\d+)", archive.read(name)))
+    if not versions:
+        return ""
+    major, minor = max((int(a), int(b)) for a, b in versions)
+    return f"{major}.{minor}"
+
+
+def glibc_here() -> str:
+    """This machine's glibc version, e.g. "2.36"; "" without glibc."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").split()[-1]  # "glibc 2.36"
+    except (ValueError, OSError, AttributeError, IndexError):
+        return ""
+
+
+def glibc_problem(needed: str) -> str | None:
+    """Why this machine cannot load packages whose native code needs glibc `needed` (`glibc_needed`;
+    "" for none), or None."""
+    if not needed:
+        return None
+    here = glibc_here()
+    if not here:
+        return f"the packages need glibc {needed}; this machine has no glibc"
+    if tuple(map(int, here.split(".")[:2])) < tuple(map(int, needed.split("."))):
+        return f"the packages need glibc {needed} (they were built on a newer system); this machine has {here}"
     return None
 
 

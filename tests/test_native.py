@@ -1,4 +1,4 @@
-"""What a package's native code asks of the CPU (aot/cpu_isa.py): a CUDA compile starts no probe and
+"""What a package's native code asks of the CPU (aot/native.py): a CUDA compile starts no probe and
 picks no vector ISA, no compile targets more than the x86-64 baseline, and what a package's machine
 code needs is what its fingerprint records."""
 
@@ -17,9 +17,10 @@ import torch
 from conftest import TOLERANCE, load_tiny
 from torch._inductor import config
 
-from aot import cpu_isa
+from aot import native
 from aot.blocks import bind, rel_error, repeated_blocks
-from aot.export import capture_blocks, compile_package, export_block
+from aot.compile_workers import compile_package
+from aot.export import capture_blocks, export_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs on CUDA here
@@ -35,15 +36,15 @@ sys.path.insert(0, {ROOT!r})
 import torch
 from torch._inductor import config
 from torch._inductor.cpu_vec_isa import InvalidVecISA, pick_vec_isa
-from aot import cpu_isa
+from aot import native
 cuda = torch.device("cuda")
-assert not cpu_isa.needs_probe(cuda)
+assert not native.needs_probe(cuda)
 start = time.perf_counter()
-with cpu_isa.compile_scope(cuda):
+with native.compile_scope(cuda):
     assert config.cpp.vec_isa_ok is False and config.cpp.simdlen == 0
     assert isinstance(pick_vec_isa(), InvalidVecISA), pick_vec_isa()
 seconds = time.perf_counter() - start
-assert cpu_isa._probe is None, "a probe was started"
+assert native._probe is None, "a probe was started"
 assert not [t for t in threading.enumerate() if t.name == "probe-cpu-isa"]
 assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None, "config not restored"
 print(f"no probe: {{seconds:.3f}} s")
@@ -59,9 +60,9 @@ print(f"no probe: {{seconds:.3f}} s")
 
 
 def test_a_cpu_compile_joins_the_probe_with_the_config_as_it_was():
-    assert cpu_isa.needs_probe(CPU) and not cpu_isa.needs_probe(CUDA)
-    with cpu_isa.compile_scope(CPU):
-        assert cpu_isa._probe is not None and not cpu_isa._probe.is_alive(), "the probe was not joined"
+    assert native.needs_probe(CPU) and not native.needs_probe(CUDA)
+    with native.compile_scope(CPU):
+        assert native._probe is not None and not native._probe.is_alive(), "the probe was not joined"
         assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None
 
 
@@ -100,7 +101,7 @@ X86_LINUX = pytest.mark.skipif(
 def test_the_portable_compiler_targets_the_x86_64_baseline_whatever_inductor_asks():
     """gcc's own answer, not an instruction count: the macros it predefines for `-march=native`
     (Inductor's flag) through the wrapper are the baseline's, and the wrapper compiles."""
-    compiler = cpu_isa.portable_compiler()
+    compiler = native.portable_compiler()
     assert compiler is not None and os.access(compiler, os.X_OK)
     assert os.path.basename(compiler) in ("g++", "c++", "clang++") or "g++" in os.path.basename(compiler)
 
@@ -114,23 +115,23 @@ def test_the_portable_compiler_targets_the_x86_64_baseline_whatever_inductor_ask
     ours = macros(compiler)
     assert "__SSE2__" in ours and "__x86_64__" in ours
     assert not {m for m in ours if m.startswith(("__AVX", "__SSE4", "__FMA", "__F16C", "__BMI", "__AMX"))}, ours
-    native = macros(shutil.which(os.path.basename(compiler)) or compiler)
+    theirs = macros(shutil.which(os.path.basename(compiler)) or compiler)
     if "avx2" in torch._inductor.cpu_vec_isa.x86_isa_checker():  # the native target really is wider here
-        assert "__AVX2__" in native, "this CPU has AVX2 but -march=native does not say so"
+        assert "__AVX2__" in theirs, "this CPU has AVX2 but -march=native does not say so"
 
 
 def test_the_scope_sets_the_compiler_and_restores_it():
     before = config.cpp.cxx
-    with cpu_isa.compile_scope(CUDA):
-        if cpu_isa.portable_compiler() is not None:
-            assert config.cpp.cxx == (None, cpu_isa.portable_compiler())
+    with native.compile_scope(CUDA):
+        if native.portable_compiler() is not None:
+            assert config.cpp.cxx == (None, native.portable_compiler())
     assert config.cpp.cxx == before
 
 
 @X86_LINUX
 def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it_uses(compiled, tmp_path):
     """How "a package saved on one machine loads on another x86-64 CPU" is checked here: it may run
-    on any CPU with every extension its fingerprint records (cpu_isa.problem), so the record must
+    on any CPU with every extension its fingerprint records (native.isa_problem), so the record must
     cover every extension its machine code uses.
 
     The block is compiled with the CUDA setting forced (test-only: `compile_scope(cuda)` around a
@@ -147,7 +148,7 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
     (calls,) = capture_blocks(pipe, {BLOCK: block}, [(512, 512)])
     kwargs = calls[BLOCK][1]
     exported = export_block(block, kwargs, compiled.packages[BLOCK].contract)
-    with cpu_isa.compile_scope(CUDA):
+    with native.compile_scope(CUDA):
         package = compile_package(exported)
     runner, _ = bind(package, block)
     with torch.no_grad():
@@ -155,9 +156,9 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
 
     used = vector_instructions(package, tmp_path)
     assert used == Counter(), f"a package for CUDA uses {dict(used)}: more than the x86-64 baseline"
-    assert cpu_isa.built_for(CUDA) == ""
+    assert native.isa_built_for(CUDA) == ""
 
-    recorded = cpu_isa.built_for(CPU).split()
+    recorded = native.isa_built_for(CPU).split()
     assert compiled.fingerprint["cpu_isa"] == " ".join(recorded)
     probed = vector_instructions(compiled.packages[BLOCK].package, tmp_path)
     if probed["avx512"]:
@@ -168,3 +169,31 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
         assert recorded, f"{probed}: VEX code needs AVX, recorded nothing"
     if "avx2" in recorded:  # the probe found AVX2 or more: Inductor's vector code uses ymm or zmm
         assert probed["avx2"] + probed["avx512"] > 0, probed
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the C library check is glibc's")
+def test_the_recorded_glibc_is_the_newest_version_the_packages_link_against(compiled, tmp_path):
+    """What `objdump -T` lists as each package's glibc symbol versions (a reading independent of
+    `native.glibc_needed`'s), the newest across the packages, is what the fingerprint records; a
+    machine with an older glibc refuses them before any load, naming both versions."""
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is not installed (apt-get install binutils): the symbol versions cannot be read")
+    newest = (0, 0)
+    for package in compiled.packages.values():
+        for name in zipfile.ZipFile(BytesIO(package.package)).namelist():
+            if name.endswith(".so"):
+                path = tmp_path / "lib.so"
+                path.write_bytes(zipfile.ZipFile(BytesIO(package.package)).read(name))
+                symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True)
+                found = re.findall(r"\(GLIBC_(\d+)\.(\d+)\)", symbols.stdout)
+                newest = max(newest, *((int(a), int(b)) for a, b in found))
+    assert newest > (2, 0), "no glibc symbol version found"
+    assert compiled.fingerprint["glibc"] == f"{newest[0]}.{newest[1]}"
+    here = platform.libc_ver()[1]
+    assert native.glibc_here() == here
+    assert native.glibc_problem(compiled.fingerprint["glibc"]) is None  # built here: loads here
+    major, minor = map(int, here.split("."))
+    newer = f"{major}.{minor + 1}"
+    assert native.glibc_problem(newer) == (
+        f"the packages need glibc {newer} (they were built on a newer system); this machine has {here}"
+    )
