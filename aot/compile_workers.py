@@ -142,9 +142,13 @@ class CompileWorkers:
                 if self.count:  # a worker was started for it and is gone
                     self.log.append(f"{name}: compiled here (no worker running)")
                 continue
-            worker = idle.pop(0)
             program, package = self._paths(name)
-            torch.export.save(programs[name], program)
+            try:
+                torch.export.save(programs[name], program)
+            except Exception as exc:  # a program torch cannot serialize: this process compiles it
+                self.log.append(f"{name}: compiled here (cannot be saved for a worker: {type(exc).__name__}: {exc})")
+                continue
+            worker = idle.pop(0)
             job = {"program": str(program), "package": str(package), "settings": self.settings}
             try:
                 worker.stdin.write(json.dumps(job) + "\n")
