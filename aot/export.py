@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -29,7 +31,6 @@ from aot.blocks import (
     rel_error,
     repeated_blocks,
 )
-from aot.compile_workers import BlockError, CompileWorkers, worker_count
 from aot.families import Family, family
 from aot.fast_paths import (
     FP8_MAX_REL_ERROR,
@@ -56,6 +57,15 @@ CAPTURE_PROMPT = "capture"
 LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # The key under which `compile_blocks` captures the transformer's own call (beside its blocks').
 TRANSFORMER = "<transformer>"
+# Inductor settings for every package. Weights stay out of the package: each block binds its own.
+INDUCTOR_CONFIGS: dict[str, Any] = {
+    "aot_inductor.package_constants_in_so": False,
+    # Store a pointwise result that is read more than once when it takes more than 16 ops,
+    # instead of recomputing it in every kernel that reads it (Inductor's GPU default: 30). In
+    # FLUX's single block the FP8 input of proj_out, cat(attention, gelu_tanh(mlp)), is read by the
+    # row-amax and by the cast: one kernel instead of three (BENCHMARKS.md).
+    "realize_opcount_threshold": 16,
+}
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
 # packages land far below; a larger error means the package computes something else.
 MAX_REL_ERROR = 1e-2
@@ -159,6 +169,15 @@ def export_block(block: torch.nn.Module, kwargs: dict[str, Any], contract: Contr
         return torch.export.export(block, args=(), kwargs=kwargs, dynamic_shapes=dynamic_shapes(contract, kwargs))
 
 
+def compile_package(exported: torch.export.ExportedProgram) -> bytes:
+    """AOTInductor-compile `exported` into a weights-less `.pt2` package; returns its bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "package.pt2")
+        torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=INDUCTOR_CONFIGS)
+        with open(path, "rb") as f:
+            return f.read()
+
+
 def compile_blocks(
     pipe: Any, options: Options | None = None, target: Target | None = None, trials: Trials | None = None
 ) -> Compiled:
@@ -195,36 +214,32 @@ def compile_blocks(
     firsts = {name: found[0] for name, found in blocks.items()}
     modules = {**firsts, TRANSFORMER: transformer}
     wanted = row.captures(sizes, CAPTURE_PROMPT, LONG_PROMPT)
-    count = worker_count(options.compile_workers, transformer.device.type, len(firsts))
-    with CompileWorkers(count, native.settings(transformer.device)) as workers:  # their imports overlap the captures
-        captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt, row)]
-        points = [
-            (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
-            for (size, _), c in zip(wanted, captures, strict=True)
-        ]
-        image_range = row.image_range(resolution)
-        classes = {}
-        for name, block in firsts.items():
-            calls = [c[name] for c in captures]
-            inputs = [kwargs for _, kwargs in calls]  # exported on the first; every one is a trial input
-            with torch.no_grad():
-                references = [block(**kwargs) for kwargs in inputs]
-            contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
-            classes[name] = (block, inputs, contract, references)
+    captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt, row)]
+    points = [
+        (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
+        for (size, _), c in zip(wanted, captures, strict=True)
+    ]
+    image_range = row.image_range(resolution)
+    classes = {}
+    for name, block in firsts.items():
+        calls = [c[name] for c in captures]
+        inputs = [kwargs for _, kwargs in calls]  # exported on the first; every one is a trial input
+        with torch.no_grad():
+            references = [block(**kwargs) for kwargs in inputs]
+        contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
+        classes[name] = (block, inputs, contract, references)
 
-        walked = list(trials.skipped)
-        with native.compile_scope(transformer.device):  # vector ISA and target (native.py)
-            for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
-                try:
-                    packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options, workers)
-                    break
-                except Exception as exc:
-                    if kernel == kernels[-1]:
-                        raise _unwrapped(exc) from None
-                    walked.append(f"{kernel} failed its trial ({brief(_unwrapped(exc))})")
-                    log.warning("attention: %s", walked[-1])
-        for line in workers.log:
-            log.info("compile workers: %s", line)
+    walked = list(trials.skipped)
+    with native.compile_scope(transformer.device):  # vector ISA and target (native.py)
+        for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
+            try:
+                packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
+                break
+            except Exception as exc:
+                if kernel == kernels[-1]:
+                    raise
+                walked.append(f"{kernel} failed its trial ({brief(exc)})")
+                log.warning("attention: %s", walked[-1])
     origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
     attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
     origin = f"plan {plan.name}" if options.fp8_granularity == "auto" else f"fp8_granularity={options.fp8_granularity}"
@@ -244,12 +259,9 @@ def _compile_classes(
     attention: str,
     granularities: tuple[str, ...],
     options: Options,
-    workers: CompileWorkers,
 ) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
     """One package per class with `attention`; FP8 at the first of `granularities` whose trial runs.
     `classes`: name -> (first block, its captured calls' inputs, contract, eager outputs on them).
-    Each step exports every class, then compiles them together (`workers`: side by side where it
-    has worker processes), then runs each package's trial.
 
     The granularities are walked in order. One whose FP8 block fails to export, compile, load or
     run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
@@ -264,118 +276,98 @@ def _compile_classes(
     """
     plain: dict[str, BlockPackage] = {}
 
-    def bf16(names: list[str]) -> None:
-        blocks = {name: classes[name][0] for name in names if name not in plain}
-        for name, package in _compile_together(blocks, classes, attention, None, workers).items():
+    def bf16(name: str) -> BlockPackage:
+        if name not in plain:
+            block, inputs, contract, references = classes[name]
+            package = _compile_class(name, block, inputs, contract, attention, references, fp8=None)
             if not package.rel_error <= MAX_REL_ERROR:
                 raise RuntimeError(
                     f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
                     f"above {MAX_REL_ERROR:.0e}"
                 )
             plain[name] = package
+        return plain[name]
 
     walk = []
     for granularity in granularities:
-        fp8, notes, quantized, counts = {}, {}, {}, {}
+        fp8, notes = {}, []
         try:
-            for name, (block, *_) in classes.items():
-                quantized[name] = copy.deepcopy(block)
-                counts[name] = quantize_block_(quantized[name], fp8_config(granularity))
-                if counts[name][0] == 0:
-                    notes[name] = f"{name}: all {counts[name][1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16"
-                    del quantized[name]
-            for name, package in _compile_together(quantized, classes, attention, granularity, workers).items():
-                fp8_layers, kept = counts[name]
-                note = f"{name} {fp8_layers} layers FP8, {kept} kept, rel. error {package.rel_error:.1e}"
+            for name, (block, inputs, contract, references) in classes.items():
+                quantized = copy.deepcopy(block)
+                counts = quantize_block_(quantized, fp8_config(granularity))
+                if counts[0] == 0:
+                    notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
+                    continue
+                package = _compile_class(name, quantized, inputs, contract, attention, references, fp8=granularity)
+                note = f"{name} {counts[0]} layers FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
                 if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
                     note += f" > {FP8_MAX_REL_ERROR:.0e}: bf16"
                 else:
                     fp8[name] = package
-                notes[name] = note
+                notes.append(note)
         except Exception as exc:
             if options.fp8 != "auto" and granularity == granularities[-1]:
-                raise _unwrapped(exc) from None
-            failed = exc.block if isinstance(exc, BlockError) else name
-            walk.append(f"{granularity} failed its trial ({failed}: {brief(_unwrapped(exc))})")
+                raise
+            walk.append(f"{granularity} failed its trial ({name}: {brief(exc)})")
             log.warning("fp8: %s", walk[-1])
             continue
         finally:
-            quantized = {}
-        walk.append(f"{granularity}: " + "; ".join(notes[name] for name in classes))
+            quantized = None
+        walk.append(f"{granularity}: " + "; ".join(notes))
         if fp8:
-            bf16([name for name in classes if name not in fp8])
-            return {name: fp8.get(name) or plain[name] for name in classes}, granularity, walk
-    bf16(list(classes))
-    return {name: plain[name] for name in classes}, None, walk + ["bf16"] * bool(granularities)
+            return {name: fp8.get(name) or bf16(name) for name in classes}, granularity, walk
+    return {name: bf16(name) for name in classes}, None, walk + ["bf16"] * bool(granularities)
 
 
-def _compile_together(
-    blocks: dict[str, torch.nn.Module],
-    classes: dict[str, tuple[torch.nn.Module, list[dict[str, Any]], Contract, list[Any]]],
+def _compile_class(
+    name: str,
+    block: torch.nn.Module,
+    inputs: list[dict[str, Any]],
+    contract: Contract,
     attention: str,
+    references: list[Any],
     fp8: str | None,
-    workers: CompileWorkers,
-) -> dict[str, BlockPackage]:
-    """Export each of `blocks` (a class's block, FP8-quantized at granularity `fp8` or None) under
-    `attention` ("fa3" or "sdpa") on its class's first captured input, compile them together
-    (`workers.compile`), then run each package on every captured input of its class against the
-    eager block's output there: the trial covers every captured shape, both image sizes and, where
-    the text length follows the prompt, the shortest and the longest text (cuBLAS can refuse an FP8
-    GEMM at one shape and not another: BENCHMARKS.md). rel_error is the largest of those.
-
-    Raises:
-        BlockError: an export, compile, load or run failed, naming the class; its cause is the error.
-    """
+) -> BlockPackage:
+    """Export and compile `block` (FP8-quantized at granularity `fp8`, or None) under `attention`
+    ("fa3" or "sdpa") on the first of `inputs` (a block's captured calls), then run the package on
+    each of them against the eager block's output there (`references`): the trial covers every
+    captured shape, both image sizes and, where the text length follows the prompt, the shortest
+    and the longest text (cuBLAS can refuse an FP8 GEMM at one shape and not another: BENCHMARKS.md).
+    rel_error is the largest of those."""
     from diffusers.models.attention_dispatch import attention_backend
 
-    exported, export_s = {}, {}
-    for name, block in blocks.items():
-        start = time.perf_counter()
-        try:
-            with attention_backend("_flash_3" if attention == "fa3" else "native"):
-                exported[name] = export_block(block, classes[name][1][0], classes[name][2])
-            if attention == "fa3":
-                op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
-                if not any(node.target is op for node in exported[name].graph.nodes):
-                    raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")
-        except Exception as exc:
-            raise BlockError(name, exc) from exc
-        export_s[name] = time.perf_counter() - start
-    compiled = workers.compile(exported)
-    packages = {}
-    for name, block in blocks.items():
-        package, compile_s = compiled[name]
-        _, inputs, contract, references = classes[name]
-        try:
-            runner, constants = bind(package, block)
-            with torch.no_grad():
-                error = max(rel_error(runner(**kw), ref) for kw, ref in zip(inputs, references, strict=True))
-        except Exception as exc:
-            raise BlockError(name, exc) from exc
-        log.info(
-            "%s: exported in %.1fs, compiled in %.1fs, %d bytes, rel. error %.1e",
-            name,
-            export_s[name],
-            compile_s,
-            len(package),
-            error,
-        )
-        packages[name] = BlockPackage(
-            block=name,
-            package=package,
-            contract=contract,
-            constants={n: (tuple(t.shape), t.dtype) for n, t in constants.items()},
-            fp8=fp8,
-            export_s=export_s[name],
-            compile_s=compile_s,
-            rel_error=error,
-        )
-    return packages
-
-
-def _unwrapped(exc: BaseException) -> BaseException:
-    """The error itself: a `BlockError`'s cause (the class it names is in the walk's note)."""
-    return exc.__cause__ if isinstance(exc, BlockError) and exc.__cause__ is not None else exc
+    start = time.perf_counter()
+    with attention_backend("_flash_3" if attention == "fa3" else "native"):
+        exported = export_block(block, inputs[0], contract)
+    export_s = time.perf_counter() - start
+    if attention == "fa3":
+        op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
+        if not any(node.target is op for node in exported.graph.nodes):
+            raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")
+    start = time.perf_counter()
+    package = compile_package(exported)
+    compile_s = time.perf_counter() - start
+    runner, constants = bind(package, block)
+    with torch.no_grad():
+        error = max(rel_error(runner(**kw), ref) for kw, ref in zip(inputs, references, strict=True))
+    log.info(
+        "%s: exported in %.1fs, compiled in %.1fs, %d bytes, rel. error %.1e",
+        name,
+        export_s,
+        compile_s,
+        len(package),
+        error,
+    )
+    return BlockPackage(
+        block=name,
+        package=package,
+        contract=contract,
+        constants={n: (tuple(t.shape), t.dtype) for n, t in constants.items()},
+        fp8=fp8,
+        export_s=export_s,
+        compile_s=compile_s,
+        rel_error=error,
+    )
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import threading
 import zipfile
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -59,32 +59,27 @@ def needs_probe(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def compile_scope(device: torch.device) -> Iterator[None]:
-    """Compile packages for `device` inside this: after the probe (joined here) where `needs_probe`,
-    under `settings(device)`."""
-    if needs_probe(device):
-        probe_in_background().join()
-    with torch._inductor.config.patch(settings(device)):
-        yield
+    """Compile packages for `device` inside this.
 
-
-def settings(device: torch.device) -> dict[str, Any]:
-    """The Inductor settings a compile for `device` runs under (`compile_scope`; a compile worker
-    gets them with its job, `compile_workers.CompileWorkers`): JSON-able, a tuple as a list.
-
-    * Vector ISA: where `needs_probe`, the probe's (no setting); else none: Inductor's
+    * Vector ISA: after the probe (joined here) where `needs_probe`, else none: Inductor's
       `cpp.vec_isa_ok = False`, under which `cpu_vec_isa.pick_vec_isa` builds no test program, and
       `cpp.simdlen = 0`, so that it picks none also in a process that probed before. Torch keeps
       its answers per process (`valid_vec_isa_list`, each ISA's `__bool__`): where the first is made
-      under these, a later CPU compile in this process gets no vector ISA either (a process compiles
+      in here, a later CPU compile in this process gets no vector ISA either (a process compiles
       for one device).
     * Target: on x86-64 Linux, Inductor's compiler (`cpp.cxx`) is `portable_compiler()`, so the
       code needs nothing of the CPU beyond the x86-64 baseline and the vector ISA.
     """
-    out: dict[str, Any] = {} if needs_probe(device) else {"cpp.vec_isa_ok": False, "cpp.simdlen": 0}
+    settings = {}
+    if needs_probe(device):
+        probe_in_background().join()
+    else:
+        settings.update({"cpp.vec_isa_ok": False, "cpp.simdlen": 0})
     compiler = portable_compiler()
     if compiler is not None:
-        out["cpp.cxx"] = (None, compiler)
-    return out
+        settings["cpp.cxx"] = (None, compiler)
+    with torch._inductor.config.patch(settings):
+        yield
 
 
 @functools.cache

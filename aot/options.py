@@ -105,16 +105,6 @@ class Options:
             choices=("auto", "on", "off"),
         ),
     )
-    compile_workers: str = field(
-        default="auto",
-        metadata=_option(
-            "AOT_COMPILE_WORKERS",
-            "compile the block classes side by side, one worker process per class beyond the first: auto (where"
-            " the blocks are on CUDA; a CPU's compile is C++ builds that already take its cores) or off (one after"
-            " another, in this process)",
-            choices=("auto", "off"),
-        ),
-    )
     gpu_size: str = field(
         default="auto",
         metadata=_option(

@@ -21,8 +21,7 @@ from aot.blocks import (
     rel_error,
     repeated_blocks,
 )
-from aot.compile_workers import compile_package
-from aot.export import capture_blocks, compile_blocks, dynamic_shapes, export_block
+from aot.export import capture_blocks, compile_blocks, compile_package, dynamic_shapes, export_block
 from aot.options import Resolution
 
 

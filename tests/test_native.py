@@ -19,8 +19,7 @@ from torch._inductor import config
 
 from aot import native
 from aot.blocks import bind, rel_error, repeated_blocks
-from aot.compile_workers import compile_package
-from aot.export import capture_blocks, export_block
+from aot.export import capture_blocks, compile_package, export_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs on CUDA here
