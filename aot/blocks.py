@@ -381,8 +381,8 @@ def load_runner(package: bytes) -> Any:
     warns on a mismatch, and it runs the CPU ISA probe (`native.probe_in_background`), which takes
     far longer than the load (see BENCHMARKS.md). Packages are checked before they get here
     instead (`packages.load_packages`): the CPU architecture, CUDA and compute capability must
-    match, and this CPU must have every vector extension of the CPU they were built on; a set
-    that fails is refused, not warned about.
+    match, and this machine must have every vector extension and runtime library version the
+    packages record (native.py); a set that fails is refused, not warned about.
 
     The loader extracts the package into a new folder `/tmp/<random>/` (whatever TMPDIR says; torch
     2.11) and removes it when the runner is freed, which a killed process never does, and ZeroGPU

@@ -249,7 +249,9 @@ def compile_blocks(
     log.info("%s", fp8)
     valid_for = fingerprint(transformer, resolution, attention, fp8, options)
     valid_for["cpu_isa"] = native.isa_built_for(transformer.device)  # what the packages need (native.isa_problem)
-    valid_for["glibc"] = max((native.glibc_needed(p.package) for p in packages.values()), key=_version)
+    for runtime in native.RUNTIMES:  # the newest version of each runtime library a package needs
+        needs = [native.runtimes_needed(p.package)[runtime] for p in packages.values()]
+        valid_for[runtime] = max(needs, key=lambda v: native.version_key(v) if v else ())
     fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 
@@ -368,8 +370,3 @@ def _compile_class(
         compile_s=compile_s,
         rel_error=error,
     )
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """ "2.38" -> (2, 38); "" -> ()."""
-    return tuple(int(part) for part in text.split(".") if part)

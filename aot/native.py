@@ -13,13 +13,14 @@ the GPU kernels. Three things decide which machines can run it:
   BENCHMARKS.md), and then dies with SIGILL on a CPU without it. `compile_scope` compiles through a
   wrapper around the compiler that puts `-march=x86-64 -mtune=generic` last (gcc and clang take the
   last `-march`), so nothing beyond the x86-64 baseline is used unless the vector ISA asks for it.
-* the **C library**: the wrapper links against glibc's versioned symbols as the building machine's
-  headers name them, so a package built on a newer glibc does not load on an older one (built on the
-  H200's Ubuntu 24.04, glibc 2.39, a FLUX package needs 2.38 for `__isoc23_strtol`: Debian 12, the
-  base of many Space images, has 2.36; BENCHMARKS.md). `glibc_needed` reads what a package needs.
+* the **runtime libraries**: the package links against glibc's (and, for a CPU package's kernels,
+  libstdc++'s) versioned symbols as the building machine's headers name them, so a package built
+  on a newer system does not load on an older one (built on the H200's Ubuntu 24.04, glibc 2.39, a
+  FLUX package needs glibc 2.38 for `__isoc23_strtol`: Debian 12, the base of many Space images, has
+  2.36; BENCHMARKS.md). `runtimes_needed` reads what a package needs.
 
-`compile_scope` is where packages are compiled; `isa_built_for` and `glibc_needed` are what their
-fingerprint records, and `isa_problem` and `glibc_problem` the checks before a load
+`compile_scope` is where packages are compiled; `isa_built_for` and `runtimes_needed` are what their
+fingerprint records, and `isa_problem` and `runtime_problem` the checks before a load
 (`packages.load_packages`).
 """
 
@@ -86,20 +87,25 @@ def compile_scope(device: torch.device) -> Iterator[None]:
 def portable_compiler() -> str | None:
     """Path of a wrapper around Inductor's C++ compiler that appends `PORTABLE_FLAGS`; None off
     x86-64 Linux (elsewhere torch's own flags stay: other architectures are compared whole by the
-    fingerprint's `machine`).
+    fingerprint's `machine`), and None where the wrapper's path would change how Inductor reads the
+    compiler (then packages are built for this CPU, and `isa_built_for` records its extensions).
 
-    The wrapper is a two-line `sh` script in the temp folder, named by a hash of what it runs (so
-    Inductor's caches see one compiler per setting) and after the compiler (`g++`, `clang++`: Inductor
-    picks its flag dialect by that name). It is written atomically once per process that needs it.
+    The wrapper is a two-line `sh` script in Inductor's own cache folder (per user, where torch keeps
+    the code it compiles and loads), in a folder named by a hash of what it runs (so Inductor's caches
+    see one compiler per setting), under the compiler's name. Inductor picks its flag dialect from the
+    compiler's whole path (`cpp_builder._is_clang` looks for "clang" anywhere in it), so the wrapper
+    is used only where that reading of its path is the real compiler's. The script is checked at
+    every process's first use and written again (atomically) unless it is exactly this one.
 
     Raises:
         torch._inductor.exc.InvalidCxxCompiler: no C++ compiler (Inductor's search, `CXX` or `g++`).
     """
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return None
-    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor import cpp_builder
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    found = get_cpp_compiler()  # called before any compile_scope patches it (this is cached)
+    found = cpp_builder.get_cpp_compiler()  # called before any compile_scope patches it (this is cached)
     compiler = shutil.which(found) or found
     script = (
         "#!/bin/sh\n"
@@ -107,10 +113,18 @@ def portable_compiler() -> str | None:
         f'exec {shlex.quote(compiler)} "$@" {" ".join(PORTABLE_FLAGS)}\n'
     )
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
-    folder = os.path.join(tempfile.gettempdir(), f"aot-cxx-{digest}")
+    folder = os.path.join(cache_dir(), f"aot-cxx-{digest}")
     path = os.path.join(folder, os.path.basename(compiler))
-    if not os.path.exists(path):
-        os.makedirs(folder, exist_ok=True)
+    dialect = (cpp_builder._is_clang(path), cpp_builder._is_gcc(path))
+    if dialect != (cpp_builder._is_clang(compiler), cpp_builder._is_gcc(compiler)):
+        return None
+    try:
+        with open(path) as f:
+            current = f.read()
+    except OSError:
+        current = None
+    if current != script or not os.access(path, os.X_OK):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=folder)
         with os.fdopen(fd, "w") as f:
             f.write(script)
@@ -137,7 +151,7 @@ def isa_built_for(device: torch.device) -> str:
 
 def isa_problem(cpu_isa: str) -> str | None:
     """Why this CPU cannot run C++ built for `cpu_isa`, or None. `cpu_isa` names vector extensions
-    in torch's words: `built_for`'s (e.g. `avx2 avx512 avx512_vnni`; "" for none) or, in older
+    in torch's words: `isa_built_for`'s (e.g. `avx2 avx512 avx512_vnni`; "" for none) or, in older
     packages, the building CPU's or Inductor's vector ISA (e.g. `avx512 avx512_vnni`).
 
     Torch's own rule for a usable ISA (`cpu_vec_isa.valid_vec_isa_list`): every flag of it is in
@@ -155,44 +169,84 @@ def isa_problem(cpu_isa: str) -> str | None:
     return None
 
 
-def glibc_needed(package: bytes) -> str:
-    """The newest glibc symbol version the shared objects in a `.pt2` package's bytes link against,
-    e.g. "2.38" (what the dynamic loader checks); "" where they name none (no glibc: another C
-    library, or a platform without one).
+# The versioned runtime libraries a package's shared objects link against: the fingerprint key, the
+# prefix of their symbol versions (`GLIBC_2.38`, `GLIBCXX_3.4.30`), and the library's file name.
+RUNTIMES = {"glibc": ("GLIBC_", "libc.so.6"), "glibcxx": ("GLIBCXX_", "libstdc++.so.6")}
 
-    Read from the version names in the objects' dynamic string tables (`GLIBC_2.38`), without
-    loading them: `objdump -T` lists the same.
+
+def runtimes_needed(package: bytes) -> dict[str, str]:
+    """Per runtime of `RUNTIMES`, the newest symbol version the shared objects in a `.pt2` package's
+    bytes link against, e.g. `{"glibc": "2.38", "glibcxx": ""}` ("" where they name none): what the
+    dynamic loader checks against the machine's libraries before it loads them.
+
+    Read from the version names in the objects' dynamic string tables, without loading them:
+    `objdump -T` lists the same.
     """
-    versions = set()
+    found: dict[str, set[str]] = {name: set() for name in RUNTIMES}
     with zipfile.ZipFile(io.BytesIO(package)) as archive:
-        for name in archive.namelist():
-            if name.endswith(".so"):
-                versions.update(re.findall(rb"GLIBC_(\d+)\.(\d+)", archive.read(name)))
-    if not versions:
-        return ""
-    major, minor = max((int(a), int(b)) for a, b in versions)
-    return f"{major}.{minor}"
+        objects = [archive.read(name) for name in archive.namelist() if name.endswith(".so")]
+    for name, (prefix, _) in RUNTIMES.items():
+        for data in objects:
+            found[name].update(_versions(prefix, data))
+    return {name: max(versions, key=version_key, default="") for name, versions in found.items()}
 
 
-def glibc_here() -> str:
-    """This machine's glibc version, e.g. "2.36"; "" without glibc."""
+def runtime_here(name: str) -> str:
+    """This machine's version of runtime `name` (`RUNTIMES`), "" where it has none: glibc's from
+    `confstr` (e.g. "2.36"); libstdc++'s as the newest `GLIBCXX_` version the copy this process
+    loaded defines (e.g. "3.4.30"; torch loads it, so it is the one a package would get)."""
+    if name == "glibc":
+        try:
+            return os.confstr("CS_GNU_LIBC_VERSION").split()[-1]  # "glibc 2.36"
+        except (ValueError, OSError, AttributeError, IndexError):
+            return ""
+    prefix, library = RUNTIMES[name]
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").split()[-1]  # "glibc 2.36"
-    except (ValueError, OSError, AttributeError, IndexError):
+        with open("/proc/self/maps") as maps:
+            paths = {f.split()[-1] for f in maps if os.path.basename(f.split()[-1]).startswith(library)}  # .so.6.0.30
+    except OSError:
         return ""
+    versions = set()
+    for path in paths:
+        with open(path, "rb") as f:
+            versions.update(_versions(prefix, f.read()))
+    return max(versions, key=version_key, default="")
 
 
-def glibc_problem(needed: str) -> str | None:
-    """Why this machine cannot load packages whose native code needs glibc `needed` (`glibc_needed`;
-    "" for none), or None."""
+def _versions(prefix: str, data: bytes) -> set[str]:
+    """The versions named `{prefix}{version}` in a shared object's bytes (`GLIBC_2.38` -> "2.38")."""
+    return {v.decode() for v in re.findall(re.escape(prefix.encode()) + rb"(\d+(?:\.\d+)+)", data)}
+
+
+def runtime_problem(name: str, needed: str) -> str | None:
+    """Why this machine cannot load packages that need version `needed` of runtime `name`
+    (`runtimes_needed`; "" for none), or None."""
     if not needed:
         return None
-    here = glibc_here()
+    try:
+        wanted = version_key(needed)
+    except ValueError:
+        return f"the packages record {name} {needed!r}, which is not a version"
+    here = runtime_here(name)
     if not here:
-        return f"the packages need glibc {needed}; this machine has no glibc"
-    if tuple(map(int, here.split(".")[:2])) < tuple(map(int, needed.split("."))):
-        return f"the packages need glibc {needed} (they were built on a newer system); this machine has {here}"
+        return f"the packages need {name} {needed}; this machine has none"
+    if version_key(here) < wanted:
+        return f"the packages need {name} {needed} (they were built on a newer system); this machine has {here}"
     return None
+
+
+def version_key(text: str) -> tuple[int, ...]:
+    """ "2.38" -> (2, 38), without trailing zeros ("2.36.0" and "2.36" are the same version).
+
+    Raises:
+        ValueError: `text` is not dot-separated whole numbers.
+    """
+    if not re.fullmatch(r"\d+(\.\d+)*", text):
+        raise ValueError(f"{text!r} is not a version")
+    parts = [int(part) for part in text.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
 
 
 def probe_in_background() -> threading.Thread:

@@ -24,6 +24,7 @@ as `owner/name@<commit>`.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -83,7 +84,8 @@ def fingerprint(
         "kernels": kernels.__version__,
         "device": device_name,
         # Each package holds C++ for this architecture; `compile_blocks` adds what it needs of the
-        # CPU ("cpu_isa", native.isa_built_for) and of the C library ("glibc", native.glibc_needed).
+        # CPU ("cpu_isa", native.isa_built_for) and of the runtime libraries ("glibc", "glibcxx":
+        # native.runtimes_needed).
         "machine": platform.machine(),
         "dtype": dtype_name(transformer.dtype),
         "sizes": [resolution.min_side, resolution.max_side, resolution.step],
@@ -112,7 +114,7 @@ def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     """Human-readable fingerprint differences, e.g. `torch: 2.11.0 (packages) vs 2.13.0 (here)`."""
     out = []
     for key in sorted(set(saved) | set(here)):
-        if key in ("blocks", "cpu_isa", "glibc"):  # properties of the packages: native.isa_problem, glibc_problem
+        if key in ("blocks", "cpu_isa", *native.RUNTIMES):  # the packages' needs: native.isa_problem, runtime_problem
             continue
         if saved.get(key) != here.get(key):
             out.append(f"{key}: {saved.get(key)} (packages) vs {here.get(key)} (here)")
@@ -417,9 +419,13 @@ def _read_packages(
         raise Refused(f"{config_name} has a malformed fingerprint: {type(exc).__name__}: {exc}") from None
     if diff:
         raise Refused("fingerprint differs: " + "; ".join(diff[:3]))
-    for key, check in (("cpu_isa", native.isa_problem), ("glibc", native.glibc_problem)):
-        if not isinstance(saved.get(key), str):
+    checks = {"cpu_isa": native.isa_problem}
+    checks.update({name: functools.partial(native.runtime_problem, name) for name in native.RUNTIMES})
+    for key, check in checks.items():
+        if key not in saved:
             raise Refused(f"{config_name} records no {key} (saved before it was recorded: compile again)")
+        if not isinstance(saved[key], str):
+            raise Refused(f"{config_name} records {key} {saved[key]!r}, not a string")
         problem = check(saved[key])
         if problem:
             raise Refused(problem)

@@ -170,29 +170,90 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
         assert probed["avx2"] + probed["avx512"] > 0, probed
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the C library check is glibc's")
-def test_the_recorded_glibc_is_the_newest_version_the_packages_link_against(compiled, tmp_path):
-    """What `objdump -T` lists as each package's glibc symbol versions (a reading independent of
-    `native.glibc_needed`'s), the newest across the packages, is what the fingerprint records; a
-    machine with an older glibc refuses them before any load, naming both versions."""
+def objdump_versions(package: bytes, prefix: str, tmp_path) -> list[tuple[int, ...]]:
+    """The `prefix` symbol versions (e.g. `GLIBC_`) `objdump -T` lists for the package's .so files."""
+    found = []
+    for name in zipfile.ZipFile(BytesIO(package)).namelist():
+        if name.endswith(".so"):
+            path = tmp_path / "lib.so"
+            path.write_bytes(zipfile.ZipFile(BytesIO(package)).read(name))
+            symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True)
+            found += [tuple(map(int, v.split("."))) for v in re.findall(rf"\({prefix}([\d.]+)\)", symbols.stdout)]
+    return found
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the runtime library checks are glibc's and libstdc++'s")
+def test_the_recorded_runtimes_are_the_newest_versions_the_packages_link_against(compiled, tmp_path):
+    """What `objdump -T` lists as the packages' glibc and libstdc++ symbol versions (a reading
+    independent of `native.runtimes_needed`'s), the newest across the packages, is what the
+    fingerprint records; a machine with older libraries refuses them before any load, naming both
+    versions, and a malformed record is refused as such."""
     if shutil.which("objdump") is None:
         pytest.skip("objdump is not installed (apt-get install binutils): the symbol versions cannot be read")
-    newest = (0, 0)
-    for package in compiled.packages.values():
-        for name in zipfile.ZipFile(BytesIO(package.package)).namelist():
-            if name.endswith(".so"):
-                path = tmp_path / "lib.so"
-                path.write_bytes(zipfile.ZipFile(BytesIO(package.package)).read(name))
-                symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True)
-                found = re.findall(r"\(GLIBC_(\d+)\.(\d+)\)", symbols.stdout)
-                newest = max(newest, *((int(a), int(b)) for a, b in found))
-    assert newest > (2, 0), "no glibc symbol version found"
-    assert compiled.fingerprint["glibc"] == f"{newest[0]}.{newest[1]}"
+    for runtime, prefix in (("glibc", "GLIBC_"), ("glibcxx", "GLIBCXX_")):
+        found = [v for p in compiled.packages.values() for v in objdump_versions(p.package, prefix, tmp_path)]
+        expected = ".".join(map(str, max(found))) if found else ""
+        assert compiled.fingerprint[runtime] == expected, runtime
+        assert native.runtime_problem(runtime, expected) is None  # built here: loads here
+    assert compiled.fingerprint["glibc"], "no glibc symbol version found"
     here = platform.libc_ver()[1]
-    assert native.glibc_here() == here
-    assert native.glibc_problem(compiled.fingerprint["glibc"]) is None  # built here: loads here
+    assert native.runtime_here("glibc") == here
+    assert native.runtime_problem("glibc", here + ".0") is None  # 2.36.0 is 2.36
     major, minor = map(int, here.split("."))
     newer = f"{major}.{minor + 1}"
-    assert native.glibc_problem(newer) == (
+    assert native.runtime_problem("glibc", newer) == (
         f"the packages need glibc {newer} (they were built on a newer system); this machine has {here}"
     )
+    assert native.runtime_problem("glibc", "2.9") is None and native.runtime_problem("glibc", "2.100") is not None
+    assert native.runtime_problem("glibc", "abc") == "the packages record glibc 'abc', which is not a version"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="libstdc++ as this process loaded it")
+def test_this_machines_libstdcxx_is_the_one_this_process_loaded(tmp_path):
+    """`runtime_here("glibcxx")` against objdump's list of the version definitions of the
+    libstdc++ this process mapped (torch loads it)."""
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is not installed (apt-get install binutils)")
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libstdc++.so.6" in line}
+    assert paths, "torch loaded no libstdc++"
+    defined = set()
+    for path in paths:
+        listing = subprocess.run(["objdump", "-p", path], capture_output=True, text=True, check=True).stdout
+        defined |= {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBCXX_([\d.]+)", listing)}
+    assert native.runtime_here("glibcxx") == ".".join(map(str, max(defined)))
+
+
+@X86_LINUX
+def test_the_compiler_wrapper_is_rewritten_unless_it_is_exactly_ours():
+    """A wrapper left at the path with anything else in it (another version's, or planted) is not run."""
+    path = native.portable_compiler()
+    ours = open(path).read()
+    try:
+        with open(path, "w") as f:
+            f.write('#!/bin/sh\nexec g++ "$@"\n')  # the portable flags gone
+        native.portable_compiler.cache_clear()
+        assert native.portable_compiler() == path
+        assert open(path).read() == ours and " ".join(native.PORTABLE_FLAGS) in ours
+    finally:
+        native.portable_compiler.cache_clear()
+
+
+@X86_LINUX
+def test_no_wrapper_where_its_path_would_make_inductor_read_gcc_as_clang(tmp_path, monkeypatch):
+    """Inductor picks the compiler's flag dialect by looking for "clang" anywhere in its path; a
+    cache folder whose path names it would give g++ clang's flags. Then packages are built for this
+    CPU (-march=native), and a CUDA compile records this CPU's extensions instead of none."""
+    from torch._inductor import cpp_builder
+
+    if cpp_builder._is_clang(cpp_builder.get_cpp_compiler()):
+        pytest.skip("the compiler here is clang: its path names it anyway")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "clang-builds"))
+    native.portable_compiler.cache_clear()
+    try:
+        assert native.portable_compiler() is None
+        assert native.isa_built_for(CUDA) == " ".join(torch._inductor.cpu_vec_isa.x86_isa_checker())
+    finally:
+        monkeypatch.undo()
+        native.portable_compiler.cache_clear()
+    assert native.portable_compiler() is not None

@@ -126,6 +126,14 @@ BREAKAGES = {
         lambda f: _edit_fingerprint(f, glibc="2.99"),
         r"the packages need glibc 2\.99 \(they were built on a newer system\); this machine has",
     ),
+    "newer libstdc++": (
+        lambda f: _edit_fingerprint(f, glibcxx="3.4.99"),
+        r"the packages need glibcxx 3\.4\.99 \(they were built on a newer system\); this machine has",
+    ),
+    "glibc not a version": (
+        lambda f: _edit_fingerprint(f, glibc="abc"),
+        "the packages record glibc 'abc', which is not a version",
+    ),
     "missing package": (lambda f: _package(f).unlink(), "package.pt2 is missing"),
     "truncated package": (lambda f: _package(f).write_bytes(_package(f).read_bytes()[:1000]), "truncated"),
     "corrupt package": (lambda f: _flip_bytes(_package(f)), "does not match its SHA-256"),
@@ -273,8 +281,9 @@ MALFORMED = {
         lambda c: c["fingerprint"]["blocks"].__setitem__("FluxTransformerBlock", 3),
         "has a malformed fingerprint: TypeError",
     ),
-    "cpu_isa a number": (lambda c: c["fingerprint"].__setitem__("cpu_isa", 1), "records no cpu_isa"),
+    "cpu_isa a number": (lambda c: c["fingerprint"].__setitem__("cpu_isa", 1), "records cpu_isa 1, not a string"),
     "no glibc": (lambda c: c["fingerprint"].pop("glibc"), "records no glibc"),
+    "glibc a number": (lambda c: c["fingerprint"].__setitem__("glibc", 2.38), "records glibc 2.38, not a string"),
     "no contract": (_set_meta("contract", None), "FluxTransformerBlock metadata is malformed: TypeError"),
     "dtype not a dtype": (
         lambda c: c["blocks"]["FluxTransformerBlock"]["contract"]["tensors"][0].__setitem__("dtype", "load"),
