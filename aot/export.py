@@ -249,9 +249,7 @@ def compile_blocks(
     log.info("%s", fp8)
     valid_for = fingerprint(transformer, resolution, attention, fp8, options)
     valid_for["cpu_isa"] = native.isa_built_for(transformer.device)  # what the packages need (native.isa_problem)
-    for runtime in native.RUNTIMES:  # the newest version of each runtime library a package needs
-        needs = [native.runtimes_needed(p.package)[runtime] for p in packages.values()]
-        valid_for[runtime] = max(needs, key=lambda v: native.version_key(v) if v else ())
+    valid_for.update(native.runtimes_needed(*(p.package for p in packages.values())))  # native.runtime_problem
     fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 

@@ -17,7 +17,7 @@ the GPU kernels. Three things decide which machines can run it:
   libstdc++'s) versioned symbols as the building machine's headers name them, so a package built
   on a newer system does not load on an older one (built on the H200's Ubuntu 24.04, glibc 2.39, a
   FLUX package needs glibc 2.38 for `__isoc23_strtol`: Debian 12, the base of many Space images, has
-  2.36; BENCHMARKS.md). `runtimes_needed` reads what a package needs.
+  2.36; BENCHMARKS.md). `runtimes_needed` reads what packages need.
 
 `compile_scope` is where packages are compiled; `isa_built_for` and `runtimes_needed` are what their
 fingerprint records, and `isa_problem` and `runtime_problem` the checks before a load
@@ -174,20 +174,19 @@ def isa_problem(cpu_isa: str) -> str | None:
 RUNTIMES = {"glibc": ("GLIBC_", "libc.so.6"), "glibcxx": ("GLIBCXX_", "libstdc++.so.6")}
 
 
-def runtimes_needed(package: bytes) -> dict[str, str]:
-    """Per runtime of `RUNTIMES`, the newest symbol version the shared objects in a `.pt2` package's
-    bytes link against, e.g. `{"glibc": "2.38", "glibcxx": ""}` ("" where they name none): what the
-    dynamic loader checks against the machine's libraries before it loads them.
+def runtimes_needed(*packages: bytes) -> dict[str, str]:
+    """Per runtime of `RUNTIMES`, the newest symbol version the shared objects in `.pt2` packages'
+    bytes link against, across all of them, e.g. `{"glibc": "2.38", "glibcxx": ""}` ("" where they
+    name none): what the dynamic loader checks against the machine's libraries before it loads them.
 
     Read from the version names in the objects' dynamic string tables, without loading them:
     `objdump -T` lists the same.
     """
-    found: dict[str, set[str]] = {name: set() for name in RUNTIMES}
-    with zipfile.ZipFile(io.BytesIO(package)) as archive:
-        objects = [archive.read(name) for name in archive.namelist() if name.endswith(".so")]
-    for name, (prefix, _) in RUNTIMES.items():
-        for data in objects:
-            found[name].update(_versions(prefix, data))
+    objects = []
+    for package in packages:
+        with zipfile.ZipFile(io.BytesIO(package)) as archive:
+            objects += [archive.read(name) for name in archive.namelist() if name.endswith(".so")]
+    found = {name: {v for data in objects for v in _versions(prefix, data)} for name, (prefix, _) in RUNTIMES.items()}
     return {name: max(versions, key=version_key, default="") for name, versions in found.items()}
 
 

@@ -65,17 +65,23 @@ def test_a_cpu_compile_joins_the_probe_with_the_config_as_it_was():
         assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None
 
 
+def shared_objects(package: bytes, tmp_path):
+    """Each .so file in the package's bytes, written in turn to one file under `tmp_path`: its path."""
+    archive = zipfile.ZipFile(BytesIO(package))
+    for name in archive.namelist():
+        if name.endswith(".so"):
+            path = tmp_path / "lib.so"
+            path.write_bytes(archive.read(name))
+            yield path
+
+
 def vector_instructions(package: bytes, tmp_path) -> Counter:
     """Instructions of the package's native code (its .so files, disassembled by objdump) by the x86
     extension their registers or encoding need: `avx` (a VEX form, `v...`, of an SSE instruction on
     xmm), `avx2` (ymm; AVX2 is torch's name for the 256-bit level), `avx512` (zmm, mask registers
     k0-k7, or xmm16-31/ymm16-31, which only EVEX encodes)."""
     counts = Counter()
-    for name in zipfile.ZipFile(BytesIO(package)).namelist():
-        if not name.endswith(".so"):
-            continue
-        path = tmp_path / "lib.so"
-        path.write_bytes(zipfile.ZipFile(BytesIO(package)).read(name))
+    for path in shared_objects(package, tmp_path):
         listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True)
         for line in listing.stdout.splitlines():
             match = re.match(r"\s*[0-9a-f]+:\t(\S+)\s*(.*)", line)
@@ -173,12 +179,9 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
 def objdump_versions(package: bytes, prefix: str, tmp_path) -> list[tuple[int, ...]]:
     """The `prefix` symbol versions (e.g. `GLIBC_`) `objdump -T` lists for the package's .so files."""
     found = []
-    for name in zipfile.ZipFile(BytesIO(package)).namelist():
-        if name.endswith(".so"):
-            path = tmp_path / "lib.so"
-            path.write_bytes(zipfile.ZipFile(BytesIO(package)).read(name))
-            symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True)
-            found += [tuple(map(int, v.split("."))) for v in re.findall(rf"\({prefix}([\d.]+)\)", symbols.stdout)]
+    for path in shared_objects(package, tmp_path):
+        symbols = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True)
+        found += [tuple(map(int, v.split("."))) for v in re.findall(rf"\({prefix}([\d.]+)\)", symbols.stdout)]
     return found
 
 
