@@ -20,7 +20,7 @@ import gradio as gr
 from PIL import Image
 
 from aot import Options, Space, stops_in_one_line  # first: imports spaces, which on ZeroGPU patches torch
-from aot.space import MAX_GUIDANCE, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_SEED, MAX_STEPS, named
+from aot.space import MAX_GUIDANCE, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_SEED, MAX_STEPS, image_file, named
 
 EXAMPLES = [
     "a photo of a red fox in fresh snow, morning light",
@@ -64,8 +64,9 @@ def start(options: Options, pipe=None) -> Space:
 
 
 def generate(*values):
-    """/generate: the values of `Request`'s fields, in order; returns (image, seed used, notes)."""
-    return SPACE.generate(Request(*values[: len(FIELDS)]))  # gradio adds its progress tracker last
+    """/generate: the values of `Request`'s fields, in order; returns (PNG file, seed used, notes)."""
+    image, seed, notes = SPACE.generate(Request(*values[: len(FIELDS)]))  # gradio adds its progress tracker last
+    return image_file(image, seed), seed, notes  # a file per request: two same images never share one
 
 
 # gradio names the API's parameters after generate's (Request's fields), and shows the pipeline's

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import tempfile
 import time
 import typing
 import warnings
@@ -21,6 +22,7 @@ from typing import Any
 
 import gradio as gr
 import torch
+from gradio.utils import get_upload_folder
 from PIL import Image
 
 from aot import replicas, zerogpu
@@ -264,6 +266,25 @@ class Space:
             took = time.perf_counter() - start
             log.info("replica %d served %sx%s, %s steps in %.1f s", replica, width, height, steps, took)
         return output, seed, notes
+
+
+def image_file(image: Image.Image, seed: int) -> str:
+    """`image` written as a PNG file of its own in gradio's cache folder; returns its path, which
+    gradio serves as it is and deletes with its cache. The file name says the seed (what a download
+    is saved as): `seed-7-<random>.png`.
+
+    Why not return the PIL image: gradio (6.31.0) saves an output image to
+    `<cache>/<hash of its PNG bytes>/image.png`, truncating and rewriting that file. Two requests
+    that make the same image at once (same prompt and seed: an example clicked twice) share the
+    file, and one rewrites it while the other is downloading it: that client got 589,824 of 892,769
+    bytes, "peer closed connection without sending complete message body" (CI of a530eed).
+    """
+    folder = get_upload_folder()  # where gradio keeps what it serves: GRADIO_TEMP_DIR, or /tmp/gradio
+    os.makedirs(folder, exist_ok=True)
+    handle, path = tempfile.mkstemp(dir=folder, prefix=f"seed-{seed}-", suffix=".png")
+    with os.fdopen(handle, "wb") as file:
+        image.save(file, format="PNG")
+    return path
 
 
 def _check_text(name: str, value: Any) -> None:

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import gradio as gr
 import numpy as np
@@ -76,6 +77,10 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
     second, _, _ = generate(client, seed=3)
     other, _, _ = generate(client, seed=4)
     assert np.array_equal(first, second)
+    # ... in a file of its own: gradio's one file per image hash was rewritten while another request
+    # of the same image downloaded it (aot.space.image_file)
+    a, b = (client.predict("a red cat", 3, False, 512, 768, 2, 3.5, api_name="/generate")[0] for _ in "ab")
+    assert Path(a).name != Path(b).name and Path(a).name.startswith("seed-3-")
     assert not np.array_equal(first, other)
     _, seed, _ = generate(client, seed=3, randomize=True)
     assert 0 <= seed < 2**31 and isinstance(seed, int)
