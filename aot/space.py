@@ -270,8 +270,9 @@ class Space:
 
 def image_file(image: Image.Image, seed: int) -> str:
     """`image` written as a PNG file of its own in gradio's cache folder; returns its path, which
-    gradio serves as it is and deletes with its cache. The file name says the seed (what a download
-    is saved as): `seed-7-<random>.png`.
+    gradio serves as it is (no copy) and keeps like its own outputs (`gr.Blocks(delete_cache=...)`
+    removes old ones). The file name says the seed (what a download is saved as):
+    `seed-7-<random>.png`. A write that fails (a full disk) raises and leaves no file.
 
     Why not return the PIL image: gradio (6.31.0) saves an output image to
     `<cache>/<hash of its PNG bytes>/image.png`, truncating and rewriting that file. Two requests
@@ -282,8 +283,12 @@ def image_file(image: Image.Image, seed: int) -> str:
     folder = get_upload_folder()  # where gradio keeps what it serves: GRADIO_TEMP_DIR, or /tmp/gradio
     os.makedirs(folder, exist_ok=True)
     handle, path = tempfile.mkstemp(dir=folder, prefix=f"seed-{seed}-", suffix=".png")
-    with os.fdopen(handle, "wb") as file:
-        image.save(file, format="PNG")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            image.save(file, format="PNG")
+    except BaseException:
+        os.unlink(path)
+        raise
     return path
 
 

@@ -23,7 +23,7 @@ from PIL import Image
 import app
 from aot.options import Options
 from aot.pipeline import load_pipeline
-from aot.space import Space
+from aot.space import Space, image_file
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,18 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
     assert not np.array_equal(first, other)
     _, seed, _ = generate(client, seed=3, randomize=True)
     assert 0 <= seed < 2**31 and isinstance(seed, int)
+
+
+def test_each_result_is_a_whole_png_of_its_own_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path))  # gradio's cache folder, where it serves from
+    image = Image.new("RGB", (48, 32), (200, 10, 10))
+    first, second = image_file(image, 7), image_file(image, 7)
+    assert first != second and Path(first).parent == Path(second).parent == tmp_path
+    assert Path(first).name.startswith("seed-7-") and Path(first).suffix == ".png"
+    assert np.array_equal(np.asarray(Image.open(second)), np.asarray(image))
+    with pytest.raises(OSError, match="cannot write mode CMYK as PNG"):
+        image_file(Image.new("CMYK", (4, 4)), 1)
+    assert sorted(tmp_path.iterdir()) == sorted(map(Path, [first, second])), "a half-written file was left"
 
 
 @pytest.mark.parametrize(

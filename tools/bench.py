@@ -10,7 +10,8 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     speedup      eager step ms / step ms, eager measured in this run
     without CUDA graphs   the same compiled step called plainly, and the graph replay's relative
                  error against it on inputs other than the captured ones
-    s / image    one generation: text encoders + all steps + VAE decode
+    s / image    one generation: text encoders + all steps + VAE decode (warm: + writing the PNG
+                 file app.generate returns)
     ready s      compile: regional compile from scratch (* = second compile in its process);
                  warm start: load + verify + apply the saved packages and run the first step
     ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process where the
