@@ -394,6 +394,9 @@ UNSUPPORTED: dict[str, str] = {
     "QwenImageEditPlusPipeline": "it takes several input images, each resized on its own (not built yet)",
 }
 
+# Every `Request` field some family's pipeline takes beyond the common ones (`Family.controls`).
+CONTROLS: tuple[str, ...] = tuple(sorted({name for row in FAMILIES.values() for name in row.controls}))
+
 
 def family(pipeline_class: str) -> Family:
     """The row for a pipeline class name (`model_index.json`'s `_class_name`).

@@ -26,6 +26,7 @@ from gradio.utils import get_upload_folder
 from PIL import Image
 
 from aot import replicas, zerogpu
+from aot.families import CONTROLS
 from aot.options import Options
 
 log = logging.getLogger("app")
@@ -250,6 +251,9 @@ class Space:
             notes += f" LoRA: {request.lora}."
         if not self.guided and request.guidance_scale != self.default_guidance:
             notes += f" Guidance {request.guidance_scale:g} was not used: this {self.family.label} model takes none."
+        for name in CONTROLS:  # sent, though this pipeline takes none (its widget is hidden: API clients)
+            if name not in self.family.controls and getattr(request, name, None) not in (None, ""):
+                notes += f" The {name.replace('_', ' ')} was not used: this {self.family.label} model takes none."
         if (image := request.image) is not None:
             notes += f" The input image ({image.width}x{image.height}) was resized to {width}x{height}"
             if self.family.reference_size:

@@ -224,6 +224,14 @@ def test_a_lora_picked_per_request_changes_the_image_and_none_brings_the_base_ba
     assert np.array_equal(again, base) and notes == "512x768 px, 2 steps, seed 7."
 
 
+def test_a_negative_prompt_to_a_model_that_takes_none_is_noted_and_changes_nothing(client):
+    path, _, notes = client.predict(
+        "a red cat", 7, False, 512, 768, 2, 3.5, negative_prompt="blurry", api_name="/generate"
+    )
+    assert notes == "512x768 px, 2 steps, seed 7. The negative prompt was not used: this FLUX.1 model takes none."
+    assert np.array_equal(np.asarray(Image.open(path)), generate(client)[0])
+
+
 def test_prompt_longer_than_the_text_encoder_still_generates(client):
     image, _, notes = generate(client, prompt="a very long prompt " * 40)  # > 512 T5 tokens (one per character)
     assert image.shape == (768, 512, 3)
@@ -245,8 +253,9 @@ def test_a_family_whose_one_step_image_is_nan_refuses_one_step_and_serves_the_ne
     request = app.Request("a red cat", width=512, height=512, num_inference_steps=1)
     with pytest.raises(gr.Error, match=r"steps=1: use a whole number from 2 to 50 \(Qwen-Image's scheduler"):
         space.generate(request)
-    image, _, notes = space.generate(dataclasses.replace(request, num_inference_steps=2))
+    image, _, notes = space.generate(dataclasses.replace(request, num_inference_steps=2, negative_prompt="blurry"))
     assert image.size == (512, 512) and np.asarray(image).std() > 0  # a NaN image comes back all black
+    assert "negative prompt" not in notes  # Qwen-Image takes one
     slider = next(c for c in app.ui(space).blocks.values() if getattr(c, "label", None) == "Steps")
     assert slider.minimum == 2
 
