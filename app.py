@@ -114,8 +114,8 @@ def ui(space: Space) -> gr.Blocks:
             controls["seed"] = named(gr.Slider(0, MAX_SEED, value=0, step=1, label="Seed"), seeds)
             controls["randomize_seed"] = gr.Checkbox(value=True, label="Randomize seed")
             with gr.Row():
-                lo, hi, step = resolution.min_side, resolution.max_side, resolution.step
-                sides, side = f"a multiple of {step} from {lo} to {hi} px", min(max(1024, lo), hi)
+                lo, hi, step, sides = resolution.min_side, resolution.max_side, resolution.step, resolution.sides
+                side = min(max(1024, lo), hi)
                 controls["width"] = named(gr.Slider(lo, hi, value=side, step=step, label="Width"), sides)
                 controls["height"] = named(gr.Slider(lo, hi, value=side, step=step, label="Height"), sides)
             controls["num_inference_steps"] = named(

@@ -323,6 +323,11 @@ class Resolution:
         """(smallest, largest) image-token count over every allowed size."""
         return self.tokens(self.min_side, self.min_side), self.tokens(self.max_side, self.max_side)
 
+    @property
+    def sides(self) -> str:
+        """The sides allowed, as a refusal says them: "a multiple of 16 from 512 to 1536 px"."""
+        return f"a multiple of {self.step} from {self.min_side} to {self.max_side} px"
+
     def describe(self) -> str:
         lo, hi = self.token_range
         return (
@@ -334,4 +339,4 @@ class Resolution:
         """Raise `ValueError` naming the allowed range unless `height` x `width` is allowed."""
         for name, side in (("height", height), ("width", width)):
             if not isinstance(side, int) or side % self.step or not self.min_side <= side <= self.max_side:
-                raise ValueError(f"{name}={side} is not allowed: use {self.describe()}")
+                raise ValueError(f"{name}={side} is not allowed: use {self.sides}")

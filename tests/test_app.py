@@ -103,7 +103,7 @@ def test_each_result_is_a_whole_png_of_its_own_and_a_failed_write_leaves_nothing
     [
         ({"prompt": "   "}, "Enter a prompt"),
         ({"prompt": "\x00\x00\x00"}, r"Enter a prompt \(it has no visible character\)"),
-        ({"width": 520}, r"width=520 is not allowed: use sides 512\.\.1536 px in steps of 16"),
+        ({"width": 520}, r"width=520 is not allowed: use a multiple of 16 from 512 to 1536 px$"),
         ({"width": 512.5}, r"width=512\.5: use a whole number"),
         ({"height": 2048}, "Height: Value 2048 is greater than maximum value 1536"),
         ({"steps": 0}, "Steps: Value 0 is less than minimum value 1"),
