@@ -223,7 +223,7 @@ class Family:
         height, width, image = request.height, request.width, request.image
         kwargs = {"prompt": request.prompt, "height": height, "width": width, **self.call_kwargs}
         kwargs["num_inference_steps"] = request.num_inference_steps
-        kwargs.update({name: v for name in self.controls if (v := getattr(request, name, None)) not in (None, "")})
+        kwargs.update({name: v for name, v in controls_sent(request).items() if name in self.controls})
         if self.guided(pipe):
             kwargs[self.guidance_kwarg] = request.guidance_scale
         if self.image_input == "required" or (self.image_input == "optional" and image is not None):
@@ -396,6 +396,12 @@ UNSUPPORTED: dict[str, str] = {
 
 # Every `Request` field some family's pipeline takes beyond the common ones (`Family.controls`).
 CONTROLS: tuple[str, ...] = tuple(sorted({name for row in FAMILIES.values() for name in row.controls}))
+
+
+def controls_sent(request: Any) -> dict[str, Any]:
+    """The `CONTROLS` fields `request` fills in (neither None nor ""), by name: a family that takes
+    one gets it as a call argument (`Family.call`); for one that does not, notes say it was unused."""
+    return {name: value for name in CONTROLS if (value := getattr(request, name, None)) not in (None, "")}
 
 
 def family(pipeline_class: str) -> Family:

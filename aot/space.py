@@ -26,7 +26,7 @@ from gradio.utils import get_upload_folder
 from PIL import Image
 
 from aot import replicas, zerogpu
-from aot.families import CONTROLS
+from aot.families import controls_sent
 from aot.options import Options
 
 log = logging.getLogger("app")
@@ -251,8 +251,8 @@ class Space:
             notes += f" LoRA: {request.lora}."
         if not self.guided and request.guidance_scale != self.default_guidance:
             notes += f" Guidance {request.guidance_scale:g} was not used: this {self.family.label} model takes none."
-        for name in CONTROLS:  # sent, though this pipeline takes none (its widget is hidden: API clients)
-            if name not in self.family.controls and getattr(request, name, None) not in (None, ""):
+        for name in controls_sent(request):  # sent to a pipeline that takes none (its widget is hidden: API clients)
+            if name not in self.family.controls:
                 notes += f" The {name.replace('_', ' ')} was not used: this {self.family.label} model takes none."
         if (image := request.image) is not None:
             notes += f" The input image ({image.width}x{image.height}) was resized to {width}x{height}"
