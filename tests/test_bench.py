@@ -31,6 +31,26 @@ def test_a_qwen_image_call_of_one_step_gives_a_nan_timestep():
     assert torch.isnan(calls["transformer"][1]["timestep"]).all()
 
 
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>(...)", "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>(...)", "attention"),
+        ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+        ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_cublas", "gemm"),
+        ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>(...)", "gemm"),
+        ("triton_poi_fused__scaled_dot_product_flash_attention_0", "other"),
+        ("triton_red_fused_abs_amax_clamp_mul_1", "other"),
+        ("Memcpy HtoD (Pageable -> Device)", "other"),
+    ],
+)
+def test_a_kernel_is_counted_as_what_it_computes(name, kind):
+    """The step's GPU time is split by kernel name (`kernel_kind`): FA3 is a CUTLASS kernel but
+    attention; an Inductor kernel named after the attention op it feeds is not attention."""
+    assert bench.kernel_kind(name) == kind
+
+
 def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):
     """`wait_for_idle_gpu` polls nvidia-smi until the GPU's memory in use falls below `IDLE_MIB`.
 

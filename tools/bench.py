@@ -18,6 +18,8 @@ Space start), and the groups run one after another on the same GPU. Per scenario
                  compile needs it (on a CPU; native.needs_probe), - on CUDA; a Space runs it
                  while loading the weights; not part of ready s
     peak GiB     peak allocated GPU memory during that generation
+    kernels      where one plain step's GPU time goes (CUDA only, torch.profiler): attention, GEMM and
+                 other kernels' ms by kernel name (`kernel_kind`); the rest of the step is launch gaps
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
 `warm` is the Space itself: app.py started with the packages `all` saved (AOT_LOAD), then
@@ -340,6 +342,53 @@ def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
     return statistics.median(times)
 
 
+# Kernel names by what they compute, checked in this order (the names CUDA's profiler gives on the
+# H200: FA3 `flash::FlashAttnFwdSm90`, cuDNN's SDPA `cudnn_generated_fort_native_sdpa_sm90_flash_fprop`,
+# cuBLAS `nvjet_*` / `sm90_xmma_gemm_*`, CUTLASS `cutlass::device_kernel`, Inductor's Triton
+# templates `triton_tem_*`); everything else is "other": copies, and Inductor's pointwise and
+# reduction kernels, whatever ops their names list (a copy feeding attention can be named
+# `triton_poi_fused__scaled_dot_product_flash_attention_0`).
+FUSED = ("triton_poi", "triton_red", "triton_per")
+KERNEL_KINDS = {
+    "attention": ("flash", "fmha", "sdpa", "attention"),
+    "gemm": ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "matmul"),
+}
+
+
+def kernel_kind(name: str) -> str:
+    """The kind, "attention", "gemm" or "other", of a GPU kernel's name (KERNEL_KINDS, case-insensitive)."""
+    lower = name.lower()
+    if lower.startswith(FUSED):
+        return "other"
+    return next((kind for kind, marks in KERNEL_KINDS.items() if any(m in lower for m in marks)), "other")
+
+
+def kernel_ms(fn) -> tuple[dict[str, float], dict[str, list[str]]] | None:
+    """GPU time of one call of `fn()` by `kernel_kind` (ms, from torch.profiler's CUDA kernel and
+    copy events), and each kind's three longest kernels ("name ms"); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fn()  # warm: the profile holds one steady call
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        sync()
+    totals = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    longest: dict[str, dict[str, float]] = {kind: {} for kind in totals}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kind, ms = kernel_kind(event.name), event.time_range.elapsed_us() / 1e3
+        totals[kind] += ms
+        longest[kind][event.name] = longest[kind].get(event.name, 0.0) + ms
+    top = {
+        kind: [f"{name[:90]} {ms:.2f}" for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:3]]
+        for kind, names in longest.items()
+    }
+    return totals, top
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -392,6 +441,12 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
     kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
         row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
+        try:  # the breakdown explains the step; a profiler that fails must not lose the step's numbers
+            kernels = kernel_ms(lambda: pipe.transformer(**kwargs))
+        except Exception as exc:
+            kernels, row["kernels_error"] = None, f"{type(exc).__name__}: {exc}"
+    if kernels:
+        row["kernels_ms"], row["top_kernels"] = kernels
     row["block_ms"] = block_ms(pipe, args.size)  # forward hooks: they need plain steps
     if graphs:
         graphed = graph_step_(pipe.transformer)
@@ -809,6 +864,13 @@ def table(rows: list[dict], args) -> str:
             f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {plain or '-'} "
             f"| {row['s_per_image']:.2f} | {ready} | {probe} | {peak} | {error} |"
         )
+        if row.get("kernels_ms"):
+            ms = row["kernels_ms"]
+            notes.append(
+                f"{row['scenario']} kernels of one plain step: attention {ms['attention']:.1f} ms, GEMM "
+                f"{ms['gemm']:.1f} ms, other {ms['other']:.1f} ms ({sum(ms.values()):.1f} ms of its "
+                f"{row.get('step_ms_no_graphs', row['step_ms']):.1f} ms)"
+            )
         for block, meta in row.get("blocks", {}).items():
             notes.append(
                 f"{row['scenario']} {block}: export {meta['export_s']:.1f} s, compile {meta['compile_s']:.1f} s, "
