@@ -355,7 +355,8 @@ def quantize_block_(block: torch.nn.Module, config: Any) -> tuple[int, int]:
     """Quantize the block's linear layers with torchao `config`, in place.
 
     Layers narrower than `FP8_MIN_FEATURES` or not 16-aligned stay as they are, and so do layers
-    already quantized (so applying twice is harmless). Returns (quantized, skipped) layer counts.
+    already quantized (so applying twice is harmless). Row-wise, a quantized layer with a bias
+    becomes a `BiasAfterGEMM`. Returns (quantized, skipped) layer counts.
     """
     from torchao.quantization import quantize_
 
@@ -369,4 +370,33 @@ def quantize_block_(block: torch.nn.Module, config: Any) -> tuple[int, int]:
     }
     if eligible:
         quantize_(block, config, filter_fn=lambda m, _: id(m) in eligible)
+        if _row_wise(config):
+            for linear in linears:
+                if id(linear) in eligible and linear.bias is not None:
+                    linear.__class__ = BiasAfterGEMM
     return len(eligible), len(linears) - len(eligible)
+
+
+class BiasAfterGEMM(torch.nn.Linear):
+    """A linear layer that adds its bias after its GEMM, not in the GEMM's epilogue.
+
+    cuBLASLt refuses a row-wise scaled FP8 GEMM that has both a bias and fast accumulation (what
+    torchao asks for) at 32 rows or fewer: `CUBLAS_STATUS_NOT_SUPPORTED` from
+    `cublasLtMatmulAlgoGetHeuristic` for K=12288, N=3072 at M = 1..32, not at 48, 64 or 512, and
+    not without the bias or without fast accumulation (torch 2.11.0+cu130, H200, BENCHMARKS.md
+    2026-12-03). That is Qwen-Image's text MLP at a short prompt. Inductor fuses the add into the
+    kernel that reads the GEMM's output. Same parameters and names as the `nn.Linear` it replaces.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(input, self.weight) + self.bias
+
+
+def _row_wise(config: Any) -> bool:
+    """Whether torchao `config` scales FP8 per row (its `granularity`: one, or one per operand)."""
+    from torchao.quantization import PerRow
+
+    granularity = getattr(config, "granularity", None)
+    return any(
+        isinstance(g, PerRow) for g in (granularity if isinstance(granularity, (list, tuple)) else [granularity])
+    )

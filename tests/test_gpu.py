@@ -68,6 +68,24 @@ def test_fp8_blocks_stay_close_to_bf16():
     assert error < FP8_MAX_REL_ERROR, f"FP8 compiled vs bf16 eager: {error:.2e}"
 
 
+def test_row_wise_fp8_runs_a_text_mlp_at_a_short_prompt():
+    """Qwen-Image's text MLP (3072 -> 12288 -> 3072, biases) at 1..32 text tokens, quantized row-wise
+    by `quantize_block_`: with the bias in the GEMM cuBLASLt refuses it at 12288 -> 3072
+    (CUBLAS_STATUS_NOT_SUPPORTED, H200, 2026-12-03); `BiasAfterGEMM` runs it, close to bf16."""
+    from aot.fast_paths import BiasAfterGEMM, fp8_config, quantize_block_
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(3072, 12288), torch.nn.GELU("tanh"), torch.nn.Linear(12288, 3072))
+    mlp = mlp.to("cuda", torch.bfloat16)
+    x = torch.randn(1, 32, 3072, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = mlp(x)
+        assert quantize_block_(mlp, fp8_config("row")) == (2, 0)
+        assert type(mlp[2]) is BiasAfterGEMM
+        for rows in (1, 14, 32):
+            assert rel_error(mlp(x[:, :rows]), reference[:, :rows]) < FP8_MAX_REL_ERROR
+
+
 def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
     # sm_120 (ZeroGPU's RTX Pro 6000) cannot run FA3 or row-wise FP8; its plan tries neither.
     pipe = wide_pipeline()

@@ -223,6 +223,26 @@ def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, 
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < 5e-2
 
 
+def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
+    """`BiasAfterGEMM` (what `quantize_block_` makes a row-wise FP8 layer with a bias): the same result
+    and parameter names as the `nn.Linear` it was, and its exported graph calls the GEMM without the
+    bias. On the CPU a bf16 layer stands in for the FP8 one (torchao's FP8 needs compute capability
+    8.9); tests/test_gpu.py runs the FP8 layer cuBLASLt refused."""
+    from aot.fast_paths import BiasAfterGEMM
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    reference = linear(x)
+    linear.__class__ = BiasAfterGEMM
+    torch.testing.assert_close(linear(x), reference)
+    assert [name for name, _ in linear.named_parameters()] == ["weight", "bias"]
+    graph = torch.export.export(linear, (x,)).graph
+    (gemm,) = [n for n in graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(gemm.args) == 2  # input, weight: no bias
+    assert any(n.target == torch.ops.aten.add.Tensor for n in graph.nodes)
+
+
 def test_fp8_on_that_fails_every_trial_raises(monkeypatch):
     capability_checks_pass(monkeypatch, fa3=False)
     with pytest.raises(AssertionError, match="Float8 dynamic quantization requires CUDA"):  # torchao's own check
