@@ -169,6 +169,21 @@ def export_block(block: torch.nn.Module, kwargs: dict[str, Any], contract: Contr
         return torch.export.export(block, args=(), kwargs=kwargs, dynamic_shapes=dynamic_shapes(contract, kwargs))
 
 
+def start_compile_workers(device: torch.device) -> None:
+    """Start Inductor's Triton compile workers now (on CUDA; a CPU package has no Triton kernel).
+
+    Inductor compiles a Triton kernel in its worker pool only once the pool answers; until then it
+    compiles each one here, one after another (`AsyncCompile.use_process_pool`), and the pool is
+    first asked for at the first kernel. `torch.compile` starts it when its backend is created
+    (`maybe_warm_pool`); an AOTInductor compile does not, so `compile_blocks` starts it before its
+    captures and exports, which take longer than the pool's start (BENCHMARKS.md).
+    """
+    if device.type == "cuda":
+        from torch._inductor.async_compile import maybe_warm_pool
+
+        maybe_warm_pool()
+
+
 def compile_package(exported: torch.export.ExportedProgram) -> bytes:
     """AOTInductor-compile `exported` into a weights-less `.pt2` package; returns its bytes."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,6 +216,7 @@ def compile_blocks(
     resolution, row, plan = target.resolution, target.family, trials.plan
     kernels, granularities = trials.attention, trials.fp8
     log.info("%s", trials.planned)
+    start_compile_workers(transformer.device)
 
     if resolution.min_side == resolution.max_side:
         raise ValueError(

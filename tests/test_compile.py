@@ -1,10 +1,13 @@
 """Regional AoT compilation on the tiny pipeline (CPU): parity, one package per class, the shape contract."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import TOLERANCE, generate, load_tiny, tiny_options
+from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
@@ -243,3 +246,22 @@ def _contract(pipe, block_class: str):
     return contract_from_captures(
         block_class, [c[block_class] for c in captures], points, resolution, resolution.token_range
     )
+
+
+def test_a_cuda_compile_starts_inductors_compile_workers_and_a_cpu_compile_does_not():
+    """In a fresh process (a started pool would outlive the test here): for a CUDA device the pool
+    Inductor compiles Triton kernels in is up before any kernel (so none is compiled one after another
+    in this process while it starts); a CPU package has no Triton kernel and starts no pool."""
+    code = (
+        "import torch\n"
+        "from torch._inductor.async_compile import AsyncCompile\n"
+        "from aot.export import start_compile_workers\n"
+        "start_compile_workers(torch.device('cpu'))\n"
+        "assert AsyncCompile.process_pool.cache_info().currsize == 0, 'a pool for a CPU compile'\n"
+        "start_compile_workers(torch.device('cuda'))\n"
+        "assert AsyncCompile._ready_future is not None, 'no pool started'\n"
+        "AsyncCompile._ready_future.result(timeout=120)  # its workers answer\n"
+        "assert AsyncCompile.use_process_pool(), 'kernels would still compile in this process'\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"}  # a pool even where CI has one core
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)
