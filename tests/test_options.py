@@ -243,6 +243,13 @@ def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
     assert any(n.target == torch.ops.aten.add.Tensor for n in graph.nodes)
 
 
+def test_only_row_wise_fp8_moves_the_bias_out_of_the_gemm():
+    """cuBLASLt's refusal is of row-wise scales; per tensor keeps its bias in the GEMM's epilogue."""
+    from aot.fast_paths import _row_wise
+
+    assert _row_wise(fp8_config("row")) and not _row_wise(fp8_config("tensor"))
+
+
 def test_fp8_on_that_fails_every_trial_raises(monkeypatch):
     capability_checks_pass(monkeypatch, fa3=False)
     with pytest.raises(AssertionError, match="Float8 dynamic quantization requires CUDA"):  # torchao's own check
