@@ -19,7 +19,7 @@ Space start), and the groups run one after another on the same GPU. Per scenario
                  while loading the weights; not part of ready s
     peak GiB     peak allocated GPU memory during that generation
     kernels      where one plain step's GPU time goes (CUDA only, torch.profiler): attention, GEMM and
-                 other kernels' ms by kernel name (`kernel_kind`); the rest of the step is launch gaps
+                 other kernels' ms by kernel name (`kernel_kind`); the rest of the step is time between kernels
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
 `warm` is the Space itself: app.py started with the packages `all` saved (AOT_LOAD), then
