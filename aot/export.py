@@ -213,40 +213,19 @@ def compile_blocks(
     blocks = repeated_blocks(transformer)
     target = target or Target.of(pipe, options)
     trials = trials or Trials.resolve(options, transformer)
-    resolution, row, plan = target.resolution, target.family, trials.plan
+    resolution, plan = target.resolution, trials.plan
     kernels, granularities = trials.attention, trials.fp8
     log.info("%s", trials.planned)
-    start_compile_workers(transformer.device)
-
     if resolution.min_side == resolution.max_side:
         raise ValueError(
             f"sides {resolution.min_side}..{resolution.max_side} px: give two sizes (min_side < max_side); "
             "the captures at both ends find which block inputs follow the image size"
         )
-    capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
-    sizes = [capture_size, (resolution.min_side, resolution.min_side)]
-    if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
-        sizes[1] = (resolution.max_side, resolution.max_side)
-    firsts = {name: found[0] for name, found in blocks.items()}
-    modules = {**firsts, TRANSFORMER: transformer}
-    wanted = row.captures(sizes, CAPTURE_PROMPT, LONG_PROMPT)
-    captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt, row)]
-    points = [
-        (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
-        for (size, _), c in zip(wanted, captures, strict=True)
-    ]
-    image_range = row.image_range(resolution)
-    classes = {}
-    for name, block in firsts.items():
-        calls = [c[name] for c in captures]
-        inputs = [kwargs for _, kwargs in calls]  # exported on the first; every one is a trial input
-        with torch.no_grad():
-            references = [block(**kwargs) for kwargs in inputs]
-        contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
-        classes[name] = (block, inputs, contract, references)
-
     walked = list(trials.skipped)
-    with native.compile_scope(transformer.device):  # vector ISA and target (native.py)
+    # Vector ISA and target (native.py); the compilers start working now, while the blocks are captured.
+    with native.compile_scope(transformer.device):
+        start_compile_workers(transformer.device)
+        classes = _capture_classes(pipe, blocks, target)
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
                 packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
@@ -268,6 +247,38 @@ def compile_blocks(
     valid_for.update(native.runtimes_needed(*(p.package for p in packages.values())))  # native.runtime_problem
     fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
+
+
+def _capture_classes(
+    pipe: Any, blocks: dict[str, list[torch.nn.Module]], target: Target
+) -> dict[str, tuple[torch.nn.Module, list[dict[str, Any]], Contract, list[Any]]]:
+    """Capture each block class's first block in the pipeline calls its family asks for (both ends
+    of the image sizes; where the text length follows the prompt, a short and a long prompt), and
+    run it on them: class name -> (first block, its captured calls' inputs, contract, eager
+    outputs), what `_compile_classes` takes."""
+    resolution, row, transformer = target.resolution, target.family, pipe.transformer
+    capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
+    sizes = [capture_size, (resolution.min_side, resolution.min_side)]
+    if resolution.tokens(*sizes[0]) == resolution.tokens(*sizes[1]):
+        sizes[1] = (resolution.max_side, resolution.max_side)
+    firsts = {name: found[0] for name, found in blocks.items()}
+    modules = {**firsts, TRANSFORMER: transformer}
+    wanted = row.captures(sizes, CAPTURE_PROMPT, LONG_PROMPT)
+    captures = [c for size, prompt in wanted for c in capture_blocks(pipe, modules, [size], prompt, row)]
+    points = [
+        (row.image_tokens(resolution, *size, row.capture_references), row.text_tokens_of(c[TRANSFORMER][1]))
+        for (size, _), c in zip(wanted, captures, strict=True)
+    ]
+    image_range = row.image_range(resolution)
+    classes = {}
+    for name, block in firsts.items():
+        calls = [c[name] for c in captures]
+        inputs = [kwargs for _, kwargs in calls]  # exported on the first; every one is a trial input
+        with torch.no_grad():
+            references = [block(**kwargs) for kwargs in inputs]
+        contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
+        classes[name] = (block, inputs, contract, references)
+    return classes
 
 
 def _compile_classes(

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import logging
 import os
 import platform
 import re
@@ -41,6 +42,8 @@ import zipfile
 from typing import Iterator
 
 import torch
+
+log = logging.getLogger("compile")
 
 # Appended to every C++ compile on x86-64 Linux (the last -march wins): the baseline every x86-64
 # CPU runs (SSE2), tuned for none in particular.
@@ -70,6 +73,10 @@ def compile_scope(device: torch.device) -> Iterator[None]:
       for one device).
     * Target: on x86-64 Linux, Inductor's compiler (`cpp.cxx`) is `portable_compiler()`, so the
       code needs nothing of the CPU beyond the x86-64 baseline and the vector ISA.
+    * Precompiled headers: built on a thread from here (`precompile_headers`), while the caller
+      captures, exports and lowers, and joined on the way out. Every package's C++ is compiled
+      against one (the wrapper's; a CPU package's kernels against a second), which its first
+      package otherwise builds in line, before its wrapper (BENCHMARKS.md).
     """
     settings = {}
     if needs_probe(device):
@@ -80,7 +87,57 @@ def compile_scope(device: torch.device) -> Iterator[None]:
     if compiler is not None:
         settings["cpp.cxx"] = (None, compiler)
     with torch._inductor.config.patch(settings):
-        yield
+        headers = threading.Thread(target=precompile_headers, args=(device,), name="precompile-headers", daemon=True)
+        headers.start()
+        try:
+            yield
+        finally:
+            headers.join()
+
+
+def precompile_headers(device: torch.device) -> list[str]:
+    """Build the precompiled headers that compiling an AOTInductor package for `device` asks for, in
+    Inductor's cache, with Inductor's own call and arguments (`AotCodeCompiler.compile` in torch
+    2.11's `_inductor/codecache.py`), under the Inductor settings in force (`compile_scope`'s);
+    returns their paths (none where `aot_inductor.precompile_headers` is off).
+
+    A package compile then finds them built (Inductor keys a header by its preprocessed text, the
+    compiler and the command line, and builds it under a file lock, so a compile that asks while
+    this one builds waits for it). Where anything here differs from what the compile asks, the
+    compile builds its own header, as it would without this: slower, never wrong. A failure is
+    logged, not raised: the compile meets the same problem and raises it.
+    """
+    from torch._inductor import codecache, config
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions, _set_gpu_runtime_env
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa, pick_vec_isa
+
+    if not config.aot_inductor.precompile_headers or config.aot_inductor.package_cpp_only:
+        return []
+    try:
+        _set_gpu_runtime_env()
+        # Without the probe, what `pick_vec_isa` answers in `compile_scope`, not asked: torch keeps its
+        # first answer per process (`valid_vec_isa_list`), and an empty scope must not decide it.
+        vec_isa = pick_vec_isa() if needs_probe(device) else invalid_vec_isa
+        device_type = device.type
+        command = {
+            "aot_mode": True,
+            "device_type": device_type,
+            "use_mmap_weights": False,  # weights are not in the package (`package_constants_in_so`)
+            "use_mmap_weights_external": False,
+            "use_relative_path": False,
+            "vec_isa": vec_isa,
+        }
+        options = CppTorchDeviceOptions(vec_isa=vec_isa, device_type=device_type, aot_mode=True)
+        command_line = repr(CppBuilder(name="o", sources="i", BuildOption=options).get_command_line())
+        wrapper = codecache._get_cpp_wrapper_header(device_type, aot_mode=True)
+        built = [codecache._precompile_header(wrapper, command_line, min_optimize=True, **command)]
+        if prefix := codecache._get_cpp_prefix_header(device_type):
+            built.append(codecache._precompile_header(prefix, command_line, **command))
+        return built
+    except Exception as exc:  # the package compile builds them itself, and raises what fails there
+        log.info("precompiled headers not built ahead (%s); the package compile builds them", type(exc).__name__)
+        log.debug("precompiled headers: %s", exc)
+        return []
 
 
 @functools.cache

@@ -36,8 +36,12 @@ import torch
 from torch._inductor import config
 from torch._inductor.cpu_vec_isa import InvalidVecISA, pick_vec_isa
 from aot import native
+from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 cuda = torch.device("cuda")
 assert not native.needs_probe(cuda)
+with native.compile_scope(cuda):
+    pass  # its header thread runs and is joined: it must not settle the vector ISA for this process
+assert valid_vec_isa_list.cache_info().misses == 0, "an empty CUDA scope fixed the vector ISA (torch keeps it)"
 start = time.perf_counter()
 with native.compile_scope(cuda):
     assert config.cpp.vec_isa_ok is False and config.cpp.simdlen == 0
@@ -260,3 +264,31 @@ def test_no_wrapper_where_its_path_would_make_inductor_read_gcc_as_clang(tmp_pat
         monkeypatch.undo()
         native.portable_compiler.cache_clear()
     assert native.portable_compiler() is not None
+
+
+def test_the_headers_built_ahead_are_the_ones_a_package_compile_uses(tmp_path, monkeypatch):
+    """`compile_scope` builds the precompiled headers on a thread while the caller works; a package
+    compiled in the scope must find them, not build its own: in a fresh header folder (Inductor's
+    `codecache._HEADER_DIR`, pointed at `tmp_path`), the headers there after a CPU compile are
+    exactly the ones `precompile_headers` names (a compile that asked for different ones, with other
+    flags or another header, leaves more)."""
+    from torch._inductor import codecache
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path / "headers"))
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(tmp_path / "locks"))
+    module = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
+    x = torch.randn(3, 24)
+    exported = torch.export.export(module, (x,))
+    codecache._precompile_header.cache_clear()  # Inductor keeps each header's path per process
+    try:
+        with native.compile_scope(CPU):
+            package = compile_package(exported)
+            ahead = native.precompile_headers(CPU)  # built by now: returns their paths at once
+    finally:
+        codecache._precompile_header.cache_clear()  # later compiles must not get this test's folder
+    assert len(ahead) == 2, ahead  # a CPU package: the wrapper's header and the kernels' (cpp_prefix.h)
+    built = sorted(str(p) for p in (tmp_path / "headers").rglob("*.gch"))
+    assert built == sorted(p + ".gch" for p in ahead), f"the compile built headers of its own: {built}"
+    runner, _ = bind(package, module)
+    with torch.no_grad():
+        assert rel_error(runner(x), module(x)) < TOLERANCE
