@@ -13,7 +13,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.export import Dim
@@ -38,6 +38,7 @@ from aot.fast_paths import (
     Decision,
     Trials,
     brief,
+    fewest_rows,
     fp8_config,
     quantize_block_,
 )
@@ -69,6 +70,16 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
 # packages land far below; a larger error means the package computes something else.
 MAX_REL_ERROR = 1e-2
+
+
+class Captured(NamedTuple):
+    """One block class as `compile_blocks` found it in the pipeline's calls: what each trial runs."""
+
+    block: torch.nn.Module  # the class's first block
+    inputs: list[dict[str, Any]]  # its captured calls' keyword arguments; exported on the first
+    contract: Contract
+    references: list[Any]  # the eager block's outputs on `inputs`
+    rows: dict[str, int]  # each linear layer's fewest input rows in those calls (`fast_paths.fewest_rows`)
 
 
 @contextlib.contextmanager
@@ -249,13 +260,10 @@ def compile_blocks(
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 
 
-def _capture_classes(
-    pipe: Any, blocks: dict[str, list[torch.nn.Module]], target: Target
-) -> dict[str, tuple[torch.nn.Module, list[dict[str, Any]], Contract, list[Any]]]:
+def _capture_classes(pipe: Any, blocks: dict[str, list[torch.nn.Module]], target: Target) -> dict[str, Captured]:
     """Capture each block class's first block in the pipeline calls its family asks for (both ends
     of the image sizes; where the text length follows the prompt, a short and a long prompt), and
-    run it on them: class name -> (first block, its captured calls' inputs, contract, eager
-    outputs), what `_compile_classes` takes."""
+    run it on them: class name -> `Captured`, what `_compile_classes` takes."""
     resolution, row, transformer = target.resolution, target.family, pipe.transformer
     capture_size = tuple(min(max(s, resolution.min_side), resolution.max_side) for s in CAPTURE_SIZE)
     sizes = [capture_size, (resolution.min_side, resolution.min_side)]
@@ -274,21 +282,21 @@ def _capture_classes(
     for name, block in firsts.items():
         calls = [c[name] for c in captures]
         inputs = [kwargs for _, kwargs in calls]  # exported on the first; every one is a trial input
-        with torch.no_grad():
+        with torch.no_grad(), fewest_rows(block) as rows:
             references = [block(**kwargs) for kwargs in inputs]
         contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
-        classes[name] = (block, inputs, contract, references)
+        classes[name] = Captured(block, inputs, contract, references, rows)
     return classes
 
 
 def _compile_classes(
-    classes: dict[str, tuple[torch.nn.Module, list[dict[str, Any]], Contract, list[Any]]],
+    classes: dict[str, Captured],
     attention: str,
     granularities: tuple[str, ...],
     options: Options,
 ) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
     """One package per class with `attention`; FP8 at the first of `granularities` whose trial runs.
-    `classes`: name -> (first block, its captured calls' inputs, contract, eager outputs on them).
+    `classes`: class name -> `Captured`.
 
     The granularities are walked in order. One whose FP8 block fails to export, compile, load or
     run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
@@ -305,7 +313,7 @@ def _compile_classes(
 
     def bf16(name: str) -> BlockPackage:
         if name not in plain:
-            block, inputs, contract, references = classes[name]
+            block, inputs, contract, references, _ = classes[name]
             package = _compile_class(name, block, inputs, contract, attention, references, fp8=None)
             if not package.rel_error <= MAX_REL_ERROR:
                 raise RuntimeError(
@@ -319,9 +327,9 @@ def _compile_classes(
     for granularity in granularities:
         fp8, notes = {}, []
         try:
-            for name, (block, inputs, contract, references) in classes.items():
+            for name, (block, inputs, contract, references, rows) in classes.items():
                 quantized = copy.deepcopy(block)
-                counts = quantize_block_(quantized, fp8_config(granularity))
+                counts = quantize_block_(quantized, fp8_config(granularity), rows)
                 if counts[0] == 0:
                     notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
                     continue

@@ -70,20 +70,33 @@ def test_fp8_blocks_stay_close_to_bf16():
 
 def test_row_wise_fp8_runs_a_text_mlp_at_a_short_prompt():
     """Qwen-Image's text MLP (3072 -> 12288 -> 3072, biases) at 1..32 text tokens, quantized row-wise
-    by `quantize_block_`: with the bias in the GEMM cuBLASLt refuses it at 12288 -> 3072
-    (CUBLAS_STATUS_NOT_SUPPORTED, H200, 2026-12-03); `BiasAfterGEMM` runs it, close to bf16."""
-    from aot.fast_paths import BiasAfterGEMM, fp8_config, quantize_block_
+    by `quantize_block_` with the rows its calls saw: with the bias in the GEMM cuBLASLt refuses it
+    at 12288 -> 3072 (CUBLAS_STATUS_NOT_SUPPORTED, H200, 2026-12-03); `BiasAfterGEMM` runs it, close
+    to bf16. The same MLP fed only image tokens (4096 rows) keeps the bias in the GEMM, and runs."""
+    from aot.fast_paths import BiasAfterGEMM, fewest_rows, fp8_config, quantize_block_
 
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(3072, 12288), torch.nn.GELU("tanh"), torch.nn.Linear(12288, 3072))
-    mlp = mlp.to("cuda", torch.bfloat16)
-    x = torch.randn(1, 32, 3072, device="cuda", dtype=torch.bfloat16)
+
+    def mlp():
+        layers = torch.nn.Sequential(torch.nn.Linear(3072, 12288), torch.nn.GELU("tanh"), torch.nn.Linear(12288, 3072))
+        return layers.to("cuda", torch.bfloat16)
+
+    text, image = mlp(), mlp()
+    x = torch.randn(1, 4096, 3072, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        reference = mlp(x)
-        assert quantize_block_(mlp, fp8_config("row")) == (2, 0)
-        assert type(mlp[2]) is BiasAfterGEMM
-        for rows in (1, 14, 32):
-            assert rel_error(mlp(x[:, :rows]), reference[:, :rows]) < FP8_MAX_REL_ERROR
+        with fewest_rows(text) as text_rows:
+            references = {rows: text(x[:, :rows]) for rows in (1, 14, 32)}
+        assert text_rows == {"0": 1, "2": 1}
+        assert quantize_block_(text, fp8_config("row"), text_rows) == (2, 0)
+        assert type(text[2]) is BiasAfterGEMM
+        for rows, reference in references.items():
+            assert rel_error(text(x[:, :rows]), reference) < FP8_MAX_REL_ERROR
+
+        with fewest_rows(image) as image_rows:
+            reference = image(x)
+        assert quantize_block_(image, fp8_config("row"), image_rows) == (2, 0)
+        assert type(image[2]) is not BiasAfterGEMM and image[2].bias is not None
+        assert rel_error(image(x), reference) < FP8_MAX_REL_ERROR
 
 
 def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():

@@ -243,6 +243,23 @@ def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
     assert any(n.target == torch.ops.aten.add.Tensor for n in graph.nodes)
 
 
+def test_the_rows_each_linear_layer_saw_are_recorded_by_its_name_in_the_block():
+    """`fewest_rows`: the GEMM's M (all but the input's last dim) per linear layer, the fewest over the
+    calls made inside, by the layer's name in the block; what decides `BiasAfterGEMM` (the FP8 swap
+    itself needs a GPU: tests/test_gpu.py)."""
+    from aot.fast_paths import BIAS_AFTER_GEMM_ROWS, fewest_rows
+
+    block = torch.nn.ModuleDict({"image": torch.nn.Linear(8, 8), "text": torch.nn.Linear(8, 8)})
+    with fewest_rows(block) as rows:
+        for image, text in ((64, 14), (16, 300)):
+            block["image"](torch.randn(2, image, 8))
+            block["text"](input=torch.randn(text, 8))
+    assert rows == {"image": 32, "text": 14}
+    block["image"](torch.randn(1, 8))  # outside: not recorded, and the hooks are gone
+    assert rows == {"image": 32, "text": 14} and not block["image"]._forward_pre_hooks
+    assert rows["text"] <= BIAS_AFTER_GEMM_ROWS < 1024  # a short prompt's text; 512 px of image has 1024 tokens
+
+
 def test_only_row_wise_fp8_moves_the_bias_out_of_the_gemm():
     """cuBLASLt's refusal is of row-wise scales; per tensor keeps its bias in the GEMM's epilogue."""
     from aot.fast_paths import _row_wise
