@@ -59,6 +59,7 @@ LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # The key under which `compile_blocks` captures the transformer's own call (beside its blocks').
 TRANSFORMER = "<transformer>"
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
+# No C++ build flag: the precompiled header is built ahead outside these (`native.precompile_headers`).
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
     # Store a pointwise result that is read more than once when it takes more than 16 ops,

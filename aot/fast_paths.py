@@ -384,7 +384,7 @@ def quantize_block_(block: torch.nn.Module, config: Any, rows: dict[str, int] | 
     if eligible:
         chosen = {id(linears[name]) for name in eligible}
         quantize_(block, config, filter_fn=lambda m, _: id(m) in chosen)
-        if _row_wise(config) and rows:
+        if _row_wise(config) and rows is not None:
             for name in eligible:
                 few = rows.get(name, 0) <= BIAS_AFTER_GEMM_ROWS  # a layer no captured call ran: unknown, so few
                 if few and linears[name].bias is not None:

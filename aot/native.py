@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import io
 import logging
 import os
@@ -87,6 +88,8 @@ def compile_scope(device: torch.device) -> Iterator[None]:
     if compiler is not None:
         settings["cpp.cxx"] = (None, compiler)
     with torch._inductor.config.patch(settings):
+        importlib.import_module("torch._inductor.codecache")  # here: two threads importing one module can deadlock
+
         headers = threading.Thread(target=precompile_headers, args=(device,), name="precompile-headers", daemon=True)
         headers.start()
         try:
@@ -104,16 +107,17 @@ def precompile_headers(device: torch.device) -> list[str]:
     A package compile then finds them built (Inductor keys a header by its preprocessed text, the
     compiler and the command line, and builds it under a file lock, so a compile that asks while
     this one builds waits for it). Where anything here differs from what the compile asks, the
-    compile builds its own header, as it would without this: slower, never wrong. A failure is
+    compile builds its own header, as it would without this: slower, never wrong. The header is
+    built outside `export.INDUCTOR_CONFIGS`, which therefore holds no C++ build flag. A failure is
     logged, not raised: the compile meets the same problem and raises it.
     """
-    from torch._inductor import codecache, config
-    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions, _set_gpu_runtime_env
-    from torch._inductor.cpu_vec_isa import invalid_vec_isa, pick_vec_isa
-
-    if not config.aot_inductor.precompile_headers or config.aot_inductor.package_cpp_only:
-        return []
     try:
+        from torch._inductor import codecache, config
+        from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions, _set_gpu_runtime_env
+        from torch._inductor.cpu_vec_isa import invalid_vec_isa, pick_vec_isa
+
+        if not config.aot_inductor.precompile_headers or config.aot_inductor.package_cpp_only:
+            return []
         _set_gpu_runtime_env()
         # Without the probe, what `pick_vec_isa` answers in `compile_scope`, not asked: torch keeps its
         # first answer per process (`valid_vec_isa_list`), and an empty scope must not decide it.
