@@ -34,9 +34,8 @@ import sys, threading, time
 sys.path.insert(0, {ROOT!r})
 import torch
 from torch._inductor import config
-from torch._inductor.cpu_vec_isa import InvalidVecISA, pick_vec_isa
+from torch._inductor.cpu_vec_isa import InvalidVecISA, pick_vec_isa, valid_vec_isa_list
 from aot import native
-from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 cuda = torch.device("cuda")
 assert not native.needs_probe(cuda)
 with native.compile_scope(cuda):
