@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import tempfile
 import time
+import uuid
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +45,7 @@ from aot.fast_paths import (
     quantize_block_,
 )
 from aot.options import Options
+from aot.overlap import overlapped
 from aot.packages import fingerprint
 from aot.target import Target
 
@@ -197,10 +200,17 @@ def start_compile_workers(device: torch.device) -> None:
 
 
 def compile_package(exported: torch.export.ExportedProgram) -> bytes:
-    """AOTInductor-compile `exported` into a weights-less `.pt2` package; returns its bytes."""
+    """AOTInductor-compile `exported` into a weights-less `.pt2` package; returns its bytes.
+
+    Its generated files get a name of their own (`aot_inductor.model_name_for_generated_files`), not
+    their code's hash: Inductor holds a file lock named after it through the C++ build, and the next
+    class compiles inside that build (`overlap.overlapped`). Two classes with the same code (Z-Image's
+    refiners and layers can be) would wait on each other's lock for ever.
+    """
+    settings = {**INDUCTOR_CONFIGS, "aot_inductor.model_name_for_generated_files": f"block_{uuid.uuid4().hex}"}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "package.pt2")
-        torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=INDUCTOR_CONFIGS)
+        torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=settings)
         with open(path, "rb") as f:
             return f.read()
 
@@ -303,7 +313,8 @@ def _compile_classes(
     run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
     class whose FP8 block runs but differs from eager by more than `FP8_MAX_REL_ERROR` stays in bf16
     (`fp8=auto`). Returns the packages, the granularity they use (None: all bf16), and the walk: a
-    note per step, ending in "bf16" where no granularity was kept.
+    note per step, ending in "bf16" where no granularity was kept. Each class compiles while the one
+    before it builds its wrapper's C++ (`overlap.overlapped`); results and errors keep the classes' order.
 
     Raises:
         RuntimeError: a bf16 package differs from its eager block by more than `MAX_REL_ERROR`.
@@ -313,46 +324,56 @@ def _compile_classes(
     plain: dict[str, BlockPackage] = {}
 
     def bf16(name: str) -> BlockPackage:
-        if name not in plain:
-            block, inputs, contract, references, _ = classes[name]
-            package = _compile_class(name, block, inputs, contract, attention, references, fp8=None)
-            if not package.rel_error <= MAX_REL_ERROR:
-                raise RuntimeError(
-                    f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
-                    f"above {MAX_REL_ERROR:.0e}"
-                )
-            plain[name] = package
-        return plain[name]
+        block, inputs, contract, references, _ = classes[name]
+        package = _compile_class(name, block, inputs, contract, attention, references, fp8=None)
+        if not package.rel_error <= MAX_REL_ERROR:
+            raise RuntimeError(
+                f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
+                f"above {MAX_REL_ERROR:.0e}"
+            )
+        return package
+
+    def bf16_all(names: list[str]) -> dict[str, BlockPackage]:
+        wanted = [n for n in names if n not in plain]
+        with overlapped([functools.partial(bf16, n) for n in wanted]) as jobs:
+            plain.update({name: job.result() for name, job in zip(wanted, jobs, strict=True)})
+        return {name: plain[name] for name in names}
+
+    def fp8_trial(name: str, granularity: str) -> tuple[tuple[int, int], BlockPackage | None]:
+        block, inputs, contract, references, rows = classes[name]
+        quantized = copy.deepcopy(block)
+        counts = quantize_block_(quantized, fp8_config(granularity), rows)
+        if counts[0] == 0:
+            return counts, None
+        return counts, _compile_class(name, quantized, inputs, contract, attention, references, fp8=granularity)
 
     walk = []
     for granularity in granularities:
         fp8, notes = {}, []
         try:
-            for name, (block, inputs, contract, references, rows) in classes.items():
-                quantized = copy.deepcopy(block)
-                counts = quantize_block_(quantized, fp8_config(granularity), rows)
-                if counts[0] == 0:
-                    notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
-                    continue
-                package = _compile_class(name, quantized, inputs, contract, attention, references, fp8=granularity)
-                note = f"{name} {counts[0]} layers FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
-                if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
-                    note += f" > {FP8_MAX_REL_ERROR:.0e}: bf16"
-                else:
-                    fp8[name] = package
-                notes.append(note)
+            with overlapped([functools.partial(fp8_trial, name, granularity) for name in classes]) as jobs:
+                for name, job in zip(classes, jobs, strict=True):
+                    counts, package = job.result()
+                    if package is None:
+                        notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
+                        continue
+                    note = f"{name} {counts[0]} layers FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
+                    if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
+                        note += f" > {FP8_MAX_REL_ERROR:.0e}: bf16"
+                    else:
+                        fp8[name] = package
+                    notes.append(note)
         except Exception as exc:
             if options.fp8 != "auto" and granularity == granularities[-1]:
                 raise
             walk.append(f"{granularity} failed its trial ({name}: {brief(exc)})")
             log.warning("fp8: %s", walk[-1])
             continue
-        finally:
-            quantized = None
         walk.append(f"{granularity}: " + "; ".join(notes))
         if fp8:
-            return {name: fp8.get(name) or bf16(name) for name in classes}, granularity, walk
-    return {name: bf16(name) for name in classes}, None, walk + ["bf16"] * bool(granularities)
+            packages = {**bf16_all([n for n in classes if n not in fp8]), **fp8}
+            return {name: packages[name] for name in classes}, granularity, walk
+    return bf16_all(list(classes)), None, walk + ["bf16"] * bool(granularities)
 
 
 def _compile_class(
