@@ -321,7 +321,6 @@ def _compile_classes(
         Exception: what the bf16 export or compile raised (the caller falls back to the next
             attention kernel), or, with `fp8=on`, what the last granularity's trial raised.
     """
-    plain: dict[str, BlockPackage] = {}
 
     def bf16(name: str) -> BlockPackage:
         block, inputs, contract, references, _ = classes[name]
@@ -334,10 +333,8 @@ def _compile_classes(
         return package
 
     def bf16_all(names: list[str]) -> dict[str, BlockPackage]:
-        wanted = [n for n in names if n not in plain]
-        with overlapped([functools.partial(bf16, n) for n in wanted]) as jobs:
-            plain.update({name: job.result() for name, job in zip(wanted, jobs, strict=True)})
-        return {name: plain[name] for name in names}
+        with overlapped([functools.partial(bf16, n) for n in names]) as jobs:
+            return {name: job.result() for name, job in zip(names, jobs, strict=True)}
 
     def fp8_trial(name: str, granularity: str) -> tuple[tuple[int, int], BlockPackage | None]:
         block, inputs, contract, references, rows = classes[name]

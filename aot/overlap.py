@@ -5,19 +5,19 @@ An AOTInductor compile is single-threaded Python (export, lowering, code generat
 C++ build of the package's wrapper, a compiler process the Python only waits for (4-8 s on the
 H200 host for a FLUX.1-dev block, BENCHMARKS.md). Two compiles cannot run in threads of one
 process (concurrent exports and lowerings fail, BENCHMARKS.md), and a second process pays its own
-imports and shares the host. So `overlapped` runs the next job *inside* the wrapper build: the
-compiler runs on a helper thread while this thread runs the next job, which may run the one after
-it inside its own build, and so on. One thread runs Python at a time, the contexts a compile
-enters (Inductor's settings, the node-meta state) are left in the order they were entered, and a
-job's result and error stay its own, given at its turn.
+imports and shares the host. So `overlapped` runs the next job *during* the wrapper build: the
+job starts on a thread of its own, the compiling thread runs the compiler and then waits for the
+job, which may run the one after it during its own build, and so on. One thread runs Python at a
+time, the contexts a compile enters (Inductor's settings, the node-meta state) are left in the
+order they were entered, and a job's result and error stay its own, given at its turn.
 
     with overlapped([compile_a, compile_b]) as jobs:
         a = jobs[0].result()  # compile_a runs here; compile_b runs during its wrapper build
         b = jobs[1].result()  # compile_b's result (or what it raised)
 
-Torch 2.11's `_inductor/codecache.py` names the seams: `AotCodeCompiler.compile` builds a package,
-its `CppBuilder` for the wrapper writes `<hash>.wrapper.o`. Where these change, the jobs run one
-after another (slower, never wrong), and `tests/test_overlap.py` fails.
+Torch 2.11's `_inductor/codecache.py` names the seam: `AotCodeCompiler.compile`, the only writer of
+a `wrapper.cpp`, builds it with a `CppBuilder` whose target ends in `.wrapper.o`. Where that
+changes, the jobs run one after another (slower, never wrong), and `tests/test_overlap.py` fails.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 T = TypeVar("T")
 WRAPPER_OBJECT = ".wrapper.o"  # what the package's wrapper build writes (AotCodeCompiler.compile)
-_state = threading.local()  # .queue: jobs to run during a wrapper build; .package: in a package build
+_state = threading.local()  # .queue: jobs to run during this thread's wrapper builds
 
 
 class Job(Generic[T]):
@@ -74,33 +74,18 @@ def overlapped(functions: Sequence[Callable[[], T]]) -> Iterator[list[Job[T]]]:
     Only this thread's package compiles overlap; other threads' C++ builds (the precompiled headers,
     `native.compile_scope`) run as they would.
     """
-    from torch._inductor import codecache, cpp_builder
+    from torch._inductor import cpp_builder
 
     jobs = [Job(f) for f in functions]
     outer = getattr(_state, "queue", None)
     _state.queue = collections.deque(jobs)
-    compile_package, build = codecache.AotCodeCompiler.compile, cpp_builder.CppBuilder.build
-    codecache.AotCodeCompiler.compile = classmethod(_in_package(compile_package.__func__))
+    build = cpp_builder.CppBuilder.build
     cpp_builder.CppBuilder.build = _overlapping(build)
     try:
         yield jobs
     finally:
-        codecache.AotCodeCompiler.compile, cpp_builder.CppBuilder.build = compile_package, build
+        cpp_builder.CppBuilder.build = build
         _state.queue = outer
-
-
-def _in_package(compile_package: Callable[..., Any]) -> Callable[..., Any]:
-    """`AotCodeCompiler.compile`, marking this thread as inside it (`_overlapping` reads the mark)."""
-
-    def compile_marked(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_state, "package", False)
-        _state.package = True
-        try:
-            return compile_package(cls, *args, **kwargs)
-        finally:
-            _state.package = outer
-
-    return compile_marked
 
 
 def _overlapping(build: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -111,8 +96,7 @@ def _overlapping(build: Callable[[Any], None]) -> Callable[[Any], None]:
         queue = getattr(_state, "queue", None)
         while queue and queue[0].ran:
             queue.popleft()
-        wrapper = str(builder.get_target_file_path()).endswith(WRAPPER_OBJECT)
-        if not (queue and wrapper and getattr(_state, "package", False)):
+        if not (queue and str(builder.get_target_file_path()).endswith(WRAPPER_OBJECT)):
             return build(builder)
         job = queue.popleft()
         runner = threading.Thread(target=_run_at_top, args=(job, queue, _device()), name="overlapped-compile")
