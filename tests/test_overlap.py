@@ -185,6 +185,7 @@ from aot.overlap import overlapped
 sys.path.insert(0, "tests")
 from test_overlap import build_wrapper
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits SIGINT ignored
 main, done = threading.main_thread().ident, []
 def job():  # Ctrl-C twice at the caller (the second while it waits for this job), then 1 s more work
     for _ in range(2):
