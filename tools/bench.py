@@ -52,6 +52,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -346,9 +347,10 @@ def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
 # H200: FA3 `flash::FlashAttnFwdSm90`, cuDNN's SDPA `cudnn_generated_fort_native_sdpa_sm90_flash_fprop`,
 # cuBLAS `nvjet_*` / `sm90_xmma_gemm_*`, CUTLASS `cutlass::device_kernel`, Inductor's Triton
 # templates `triton_tem_*`); everything else is "other": copies, and Inductor's pointwise and
-# reduction kernels, whatever ops their names list (a copy feeding attention can be named
-# `triton_poi_fused__scaled_dot_product_flash_attention_0`).
-FUSED = ("triton_poi", "triton_red", "triton_per")
+# reduction kernels, whatever ops their names list (a RoPE and copy feeding FA3 is named
+# `block_<hex>_triton_red_fused__flash_attn_forward__to_copy_add_...`: the package's name first,
+# export.compile_package).
+FUSED = re.compile(r"(^|_)triton_(poi|red|per)_")
 KERNEL_KINDS = {
     "attention": ("flash", "fmha", "sdpa", "attention"),
     "gemm": ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "matmul"),
@@ -358,7 +360,7 @@ KERNEL_KINDS = {
 def kernel_kind(name: str) -> str:
     """The kind, "attention", "gemm" or "other", of a GPU kernel's name (KERNEL_KINDS, case-insensitive)."""
     lower = name.lower()
-    if lower.startswith(FUSED):
+    if FUSED.search(lower):
         return "other"
     return next((kind for kind, marks in KERNEL_KINDS.items() if any(m in lower for m in marks)), "other")
 
