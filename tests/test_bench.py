@@ -50,7 +50,8 @@ def test_a_qwen_image_call_of_one_step_gives_a_nan_timestep():
 def test_a_kernel_is_counted_as_what_it_computes(name, kind):
     """The step's GPU time is split by kernel name (`kernel_kind`): FA3 is a CUTLASS kernel but
     attention; an Inductor kernel named after the attention op it feeds is not attention, with or
-    without the package's name in front (names seen in the H200's profiles, 2026-12-04)."""
+    without the package's name in front (names from the H200's profiles, 2026-12-04, as the bench
+    prints them: cut at 90 characters)."""
     assert bench.kernel_kind(name) == kind
 
 
