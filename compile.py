@@ -1,31 +1,23 @@
-"""Regional ahead-of-time (AoT) compilation of a diffusion transformer, as the recipe's verbs.
+"""Regional ahead-of-time compilation of a pipeline's transformer: the startup's one GPU call.
 
-    capture  record each repeated block class's real inputs from real pipeline calls (families.py
-             says how a call of this pipeline class looks)
-    export   torch.export one block per class, container and weight layout, with the image-token
-             dimension dynamic (and the text-token one where the text length follows the prompt)
+    capture  each repeated block class's real inputs, recorded from real pipeline calls
+    export   `torch.export` of one block per class, the image-token dimension dynamic (and the
+             text-token one where the text length follows the prompt)
     compile  AOTInductor: one weights-less package per class (a few MB, no parameters inside)
-    apply    every block of the class runs that one package, bound to the block's own weights
-    graph    optional (`cuda_graphs`): each image size's step is captured once, then replayed (graphs.py)
-    save / load   packages on disk or the Hub, verified by a fingerprint (packages.py)
+    apply    (app.py, `aot.apply_`) every block of the class runs that package on its own weights
 
-`optimize_(pipe)` does all of it in place and returns a `Report`. Loading saved packages or the
-first three steps (`compile_blocks`) run in one `@spaces.GPU(duration=1500)` call, which on a
-ZeroGPU Space is a GPU worker: the pipeline reaches it through fork (module state), the attention
-and FP8 decisions are made on the real card there, and only the small packages cross back.
-`apply_` runs in the main process and touches no GPU; packages are loaded at each block's first
-call, inside the request's worker. zerogpu.py has the whole map of what runs where. Outside ZeroGPU
-`@spaces.GPU` changes nothing and everything runs in this process.
+`compile_transformer(pipe, options)` is what app.py calls at startup. Its GPU work is one
+`@spaces.GPU(duration=1500)` call: on a ZeroGPU Space a worker forked from the main process, on
+the real card, where the trials run; the pipeline reaches it through the closure (fork), never as
+an argument, and only the packages and the decisions cross back. Outside ZeroGPU it is a plain call.
 
-Every `auto` fast path is tried, not assumed, in the order the GPU's plan gives (`fast_paths.PLANS`,
-keyed by compute capability): an FA3 or FP8 block that fails to export, compile, load or match eager
-falls back to the plan's next step (FP8 row -> per tensor -> bf16, FA3 -> SDPA) with the reason in
-the report; only the plain bf16 SDPA block has no fallback.
-
-We use torch's AOTI API (`torch.export.export`, `torch._inductor.aoti_compile_and_package`, the
-package loader behind `aoti_load_package` (see `blocks.load_runner`), `load_constants`) rather than
-`spaces.aoti_*`, which wrap the same steps: we verify packages before loading them, skip torch's
-CPU ISA probe at load, check every call's inputs, and run on CPU-only torch builds too.
+Every `auto` fast path is a trial (export, compile, load, parity against eager) in the order the
+GPU's plan gives (`fast_paths.PLANS`, keyed by compute capability): FA3 -> SDPA, FP8 per row ->
+per tensor -> bf16, each fallback with its reason in the report; only the plain bf16 SDPA block
+has no fallback. torch's AOTI API is used directly (`torch.export.export`,
+`torch._inductor.aoti_compile_and_package`, the package loader, `load_constants`) rather than the
+`spaces.aoti_*` helpers that wrap the same steps: packages are verified before they load, every
+call's inputs are checked, and CPU-only torch builds run them too.
 
     python compile.py --model assets/tiny-flux                      # compile, check, print the report
     python compile.py --model assets/tiny-flux --save packages      # ... and save the packages
@@ -35,25 +27,89 @@ CPU ISA probe at load, check every call's inputs, and run on CPU-only torch buil
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
+from typing import Any
 
-from aot import Options, Target, load_pipeline, optimize_, stops_in_one_line
+import spaces
+
+from aot import (
+    Compiled,
+    Options,
+    Target,
+    Trials,
+    apply_,
+    compile_blocks,
+    load_pipeline,
+    load_saved,
+    save_and_push,
+    text_fp8,
+    zerogpu,
+)
+from aot.export import LONG_PROMPT
+from aot.options import usage_errors
+from aot.packages import check_push_target, check_save_target
+
+log = logging.getLogger("compile")
+
+
+def compile_transformer(pipe: Any, options: Options, gpu_size: str | None = None) -> Compiled:
+    """Compile `pipe.transformer`'s repeated blocks ahead of time, or load saved packages that match.
+
+    In one `@spaces.GPU(duration=1500)` call (a ZeroGPU worker, on the card that will serve): the
+    text encoders' FP8 trial (`AOT_TEXT_FP8`), the GPU's plan of trials resolved once (attention,
+    FP8, CUDA graphs: `fast_paths.Trials`), then the verified packages of `options.load`, or
+    capture + export + compile (`export.compile_blocks`). Nothing is applied or saved here:
+    `aot.apply_(pipe, compiled)`, `aot.save_and_push(compiled, options)`.
+
+    Args:
+        pipe: a loaded diffusers pipeline (`aot.load_pipeline`) whose family has a row in families.py.
+        options: every setting (`aot.Options`).
+        gpu_size: the ZeroGPU card size to compile on (app.py's `GPU_SIZE`: None is spaces' default).
+
+    Returns:
+        The packages (bytes, one per block class) and every decision with its reason; picklable.
+
+    Raises:
+        RuntimeError: before the GPU call: `options.save` or `options.push` cannot be written;
+            in it: an explicitly requested fast path cannot run, `options.strict` and the saved
+            packages cannot be used, or a compiled bf16 block differs from eager.
+        ValueError: no repeated blocks, or block inputs the shape rule cannot describe.
+    """
+    target = Target.of(pipe, options)
+    if options.save:  # a save or push that cannot work is refused now, not after minutes of compiling
+        check_save_target(options.save)
+    if options.push:
+        check_push_target(options.push)
+
+    @spaces.GPU(duration=1500, size=gpu_size)
+    @zerogpu.worker  # the worker's exceptions, and what it checked, come back whole
+    def compile_on_gpu() -> Compiled:
+        text = text_fp8.trial_(pipe, LONG_PROMPT, options.text_fp8)  # first: it holds bf16 beside FP8 for a moment
+        trials = Trials.resolve(options, pipe.transformer)  # this card's plan, each fast path with its reason
+        compiled = load_saved(options, pipe, target, trials) if options.load else None
+        compiled = compiled or compile_blocks(pipe, options, target, trials)
+        return dataclasses.replace(compiled, text_fp8=text, graphs=trials.graphs)
+
+    return compile_on_gpu()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: compile (or load) on one device, check, print the report. A setting that
-    cannot work stops it with one line (`options.stops_in_one_line`)."""
+    """`python compile.py`: compile (or load) on one device, check, print the report. The defaults
+    are app.py's (`MODEL_ID`, the side range); a setting that cannot work stops it with one line."""
+    import app  # here, not above: app.py imports this module
+
     parser = argparse.ArgumentParser(
         prog="compile.py",
         description=__doc__,
-        parents=[Options.parser()],
+        parents=[Options.parser(app.OPTION_DEFAULTS)],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     args = parser.parse_args(argv)
-    with stops_in_one_line(parser):
-        options = Options.from_env(args)
+    with usage_errors(parser):
+        options = Options.from_env(args, defaults=app.OPTION_DEFAULTS)
         if not options.compile:
             parser.error("--no-compile: compile.py compiles; `python app.py --no-compile` serves the eager pipeline")
         if options.devices != "auto":
@@ -64,15 +120,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         pipe = load_pipeline(options)
-        target = Target.of(pipe, options)
         start = time.perf_counter()
-        report = optimize_(pipe, options, target=target)
-    ready = time.perf_counter() - start
+        compiled = compile_transformer(pipe, options)
+        report = apply_(pipe, compiled)
+        ready = time.perf_counter() - start
+        if options.save:
+            print(f"saved to {save_and_push(compiled, options)}")
     side = options.min_side
-    pipe(**target.family.capture_call(pipe, "a test", side, side), output_type="latent")  # loads + binds every block
+    first = time.perf_counter()
+    call = Target.of(pipe, options).family.capture_call(pipe, "a test", side, side)
+    pipe(**call, output_type="latent")  # loads and binds every block
     print(report)
-    first_step = time.perf_counter() - start
-    print(f"packages {report.source} in {ready:.1f} s; first step at {side}x{side} done after {first_step:.1f} s")
+    took = time.perf_counter() - first
+    print(f"packages {report.source} in {ready:.1f} s; the first step at {side}x{side} took {took:.1f} s")
     return 0
 
 

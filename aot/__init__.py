@@ -2,22 +2,22 @@
 pipeline's transformer, as the recipe's verbs, with our contract checks, fingerprints and fallbacks.
 
     load_pipeline    the pipeline, checked before any weight loads (pipeline.py)
+    load_pipelines   one per serving GPU (replicas.py)
     Target           what a pipeline is compiled for and served with, worked out once (target.py)
-    capture_blocks   each repeated block class's real inputs, from real pipeline calls (export.py)
+    Trials           the GPU's plan of fast-path trials, resolved once on the real card (fast_paths.py)
     compile_blocks   capture + export + compile: one weights-less package per block class (export.py)
-    save_packages    packages to a folder, fingerprinted; load_packages back, verified (packages.py)
-    apply_           every block runs its class's package bound to its own weights (blocks.py)
-    graph_step_      the transformer step captured once per shape as a CUDA graph (graphs.py)
-    optimize_        load or compile (on ZeroGPU in the startup's GPU call), apply, graph, save (optimize.py)
-    Space            serving: a request's checks, its GPU call, its notes (space.py)
+    load_saved       saved packages that match this model and GPU, verified (packages.py)
+    save_and_push    packages to a folder, fingerprinted, atomically, and to the Hub (packages.py)
+    apply_           every block runs its class's package on its own weights; CUDA graphs (apply.py)
+    Server           serving: a request's defaults, checks and notes, and its pipeline call (server.py)
     Options          every setting, each a flag and an environment variable (options.py)
 
-Each verb's module is imported when the verb is first used (`from aot import Space` imports space.py
-and what it needs), so that a process needing one module (`import aot.packages`) does not import the
-whole engine (gradio, diffusers). `spaces` is imported here, before any of them: every import of the
-engine runs this file first.
+Each verb's module is imported when the verb is first used (`from aot import Server` imports
+server.py and what it needs), so that a process needing one module (`import aot.packages`) does
+not import the whole engine (gradio, diffusers). `spaces` is imported here, before any of them:
+every import of the engine runs this file first.
 
-README.md's file list says what each module does; zerogpu.py, what runs where on ZeroGPU.
+README.md's file map says what each module does; zerogpu.py, what runs where on ZeroGPU.
 """
 
 import importlib
@@ -26,18 +26,21 @@ import spaces  # noqa: F401  (first: on ZeroGPU it patches torch before anything
 
 # Each public verb and the module that defines it.
 _VERBS = {
+    "Compiled": "aot.blocks",
+    "Limits": "aot.server",
     "Options": "aot.options",
-    "Space": "aot.space",
+    "Server": "aot.server",
     "Target": "aot.target",
-    "apply_": "aot.blocks",
-    "capture_blocks": "aot.export",
+    "Trials": "aot.fast_paths",
+    "apply_": "aot.apply",
     "compile_blocks": "aot.export",
-    "graph_step_": "aot.graphs",
-    "load_packages": "aot.packages",
+    "gpu_model": "aot.replicas",
+    "image_file": "aot.server",
     "load_pipeline": "aot.pipeline",
-    "optimize_": "aot.optimize",
-    "save_packages": "aot.packages",
-    "stops_in_one_line": "aot.options",
+    "load_pipelines": "aot.replicas",
+    "load_saved": "aot.packages",
+    "save_and_push": "aot.packages",
+    "usage_errors": "aot.options",
 }
 __all__ = list(_VERBS)
 

@@ -8,6 +8,7 @@ AOTInductor checks no input shapes, so every call is checked against the `Contra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import os
@@ -28,6 +29,7 @@ from torch._inductor.package import AOTICompiledModel
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from aot import zerogpu
 from aot.fast_paths import Decision, fp8_config, load_fa3, quantize_block_
 from aot.options import Resolution
 
@@ -489,7 +491,7 @@ def bound_constants(names: list[str], block: torch.nn.Module) -> dict[str, torch
 class Costs:
     """What this process has spent on work only compiled blocks do: package loads, binds (a block's
     pointers set before it runs), CUDA graph captures and their check replays (graphs.py), counts
-    and seconds. A new ZeroGPU worker pays them once; `zerogpu.gpu` logs them per call."""
+    and seconds. A new ZeroGPU worker pays them once; its `zerogpu-call` lines say what each call spent."""
 
     loads: int = 0
     load_s: float = 0.0
@@ -506,6 +508,7 @@ class Costs:
 
 
 COSTS = Costs()
+zerogpu.count_per_call("compiled blocks", lambda: dataclasses.asdict(COSTS))
 
 
 class SharedPackage:
@@ -600,7 +603,7 @@ def _members(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, Any, st
 
 
 class BindingCheck:
-    """A forward pre-hook for the transformer (`apply_` registers it): `CompiledBlock.check_bound` for
+    """A forward pre-hook for the transformer (`patch_blocks_` registers it): `CompiledBlock.check_bound` for
     every compiled block before each step, since a CUDA graph replay calls no block's forward.
     (FLUX.1-dev: 57 blocks, about 2,400 identity tests a step.)"""
 
@@ -689,6 +692,7 @@ class Compiled:
     fingerprint: dict[str, Any]  # what the packages are valid for (`packages.fingerprint`)
     source: str = "compiled"  # or "loaded from <folder or repo>"
     text_fp8: Any = None  # the text encoders' FP8 trial in the same GPU call (`text_fp8.TextFP8`), not saved
+    graphs: Decision | None = None  # CUDA graphs around the step, decided in the same GPU call; not saved
 
     @property
     def fp8_config(self) -> Any:
@@ -707,7 +711,7 @@ def rel_error(out: Any, ref: Any) -> float:
     return max(errors)
 
 
-def apply_(pipe: Any, compiled: Compiled) -> Report:
+def patch_blocks_(pipe: Any, compiled: Compiled) -> Report:
     """Patch every repeated block of `pipe.transformer` to run its class's package, in place.
 
     Each block keeps its parameters (the package binds to them: one copy of the weights). Nothing
@@ -751,7 +755,7 @@ def apply_(pipe: Any, compiled: Compiled) -> Report:
 
 @dataclass
 class Report:
-    """What `optimize_` did: per block class, and every decision with its reason."""
+    """What `apply.apply_` did: per block class, and every decision with its reason."""
 
     rows: list[tuple[BlockPackage, int]]
     decisions: list[Decision]
@@ -771,9 +775,11 @@ class Report:
             "| block class | blocks | package | export s | compile s | rel. error vs eager | image tokens |",
             "|---|---|---|---|---|---|---|",
         ]
+        with_references = False
         for package, count in self.rows:
             lo, hi = package.contract.image_range
             sees_image = any(any(t.image) for t in package.contract.tensors)  # Z-Image's context refiner does not
+            with_references |= sees_image and (lo, hi) != self.resolution.token_range
             lines.append(
                 f"| {package.block} | {count} | {len(package.package) / 1e6:.2f} MB | {package.export_s:.1f} "
                 f"| {package.compile_s:.1f} | {package.rel_error:.1e} | {f'{lo}..{hi}' if sees_image else '-'} |"
@@ -782,5 +788,10 @@ class Report:
         if self.source != "compiled":
             lines.append("(export s, compile s and rel. error were measured when the packages were compiled)")
         lines.append(f"sizes: {self.resolution.describe()}")
+        if with_references:
+            lines.append(
+                "image tokens: the blocks see the output's and the input image's (resized to the output), "
+                "so their range is wider than the output's alone"
+            )
         lines += [str(d) for d in self.decisions]
         return "\n".join(lines)

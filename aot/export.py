@@ -221,9 +221,9 @@ def compile_blocks(
     """Capture, export and compile one package per repeated block class of `pipe.transformer`.
 
     Leaves `pipe` as it was (FP8 is tried on a copy of one block). Runs on the GPU the pipeline is
-    on: on ZeroGPU, inside the worker (`optimize_` calls it through `zerogpu.gpu`). `target` and
-    `trials` are the pipeline's and this GPU's, worked out once by the caller (`optimize_`, which
-    hands the same ones to the load path); worked out here when not given.
+    on: on ZeroGPU, inside the worker (compile.py's `compile_transformer` calls it in its
+    `@spaces.GPU` function). `target` and `trials` are the pipeline's and this GPU's, worked out once
+    by the caller (which hands the same ones to the load path); worked out here when not given.
 
     Raises:
         ValueError: no repeated blocks, or inputs the shape rule cannot describe.

@@ -5,7 +5,7 @@ no other file branches on a model or pipeline name. A row says which inputs the 
 keyword arguments a call takes, the default steps and guidance, and the token rule:
 
 * image tokens: `(H / step) * (W / step)` for an output of H x W pixels, step = 2 x the VAE's
-  downsampling (every family here packs 2x2 latents). An edit family's input image is resized to the
+  downsampling (every family here packs 2x2 latents). An edit family's input image is fitted to the
   output size first (`reference_kwargs` turn off the pipeline's own resizing), so the transformer
   sees the reference's tokens after the output's: I = 2 x tokens ("required"), or 1 x or 2 x where
   the image is optional (FLUX.2). Z-Image pads each sequence to a multiple of 32 tokens
@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from aot import images
+
 if TYPE_CHECKING:
     from aot.options import Resolution
 
@@ -55,7 +57,7 @@ class Family:
         guidance embedding; FLUX.2 klein's step-distilled models set `is_distilled`.
     steps, guidance: UI defaults with guidance; unguided_steps: the default without it.
     image_input: "none" (text to image), "required" (image editing: the input image is the call's
-        `image` argument, resized by the app to the output size) or "optional" (either).
+        `image` argument, fitted by the app to the output size) or "optional" (either).
     reference_kwargs: call arguments that stop the pipeline's own resizing of the input image, as
         functions of (height, width), so the reference's image tokens equal the output's.
     reference_size: where the pipeline resizes the input image anyway, (height, width) of the
@@ -215,7 +217,9 @@ class Family:
         num_inference_steps, guidance_scale, image, and those this row's `controls` name, each
         passed on under its own name unless empty (the row's `call_kwargs` value stays then).
 
-        `request.image` (a PIL image) is resized to width x height here, so its tokens follow the output's.
+        `request.image` (a PIL image) goes in at width x height, so its tokens follow the output's:
+        as it is where it has that size (`server.Server.prepare` fitted it), else fitted here
+        (`images.fit`: cropped to the output's aspect ratio, never stretched).
 
         Raises:
             ValueError: an edit family without an image, or an image for a text-to-image family.
@@ -229,7 +233,9 @@ class Family:
         if self.image_input == "required" or (self.image_input == "optional" and image is not None):
             if image is None:
                 raise ValueError(f"{self.label} ({self.pipeline}) edits an image: give an input image")
-            kwargs["image"] = image.convert("RGB").resize((width, height))
+            if image.size != (width, height) or image.mode != "RGB":
+                image = images.fit(images.to_rgb(image), width, height)[0]
+            kwargs["image"] = image
             kwargs.update({k: v(height, width) if callable(v) else v for k, v in self.reference_kwargs.items()})
         elif image is not None:
             raise ValueError(f"{self.label} ({self.pipeline}) generates from text only: it takes no input image")

@@ -21,6 +21,7 @@ import torch
 
 from aot.families import attention_head_dim
 from aot.options import Options
+from aot.zerogpu_limits import ON_ZEROGPU
 
 # An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
 # in bf16 (FP8 has 3 mantissa bits: a few percent is its normal cost; NaN or noise is far above).
@@ -65,7 +66,7 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
         ),
     ),
     ((10, 0), (11, 9), Plan("sm_100", ("sdpa",), ("row", "tensor"), "datacenter Blackwell: FA3 is a Hopper kernel")),
-    ((8, 9), (8, 9), Plan("sm_89", ("sdpa",), ("tensor",), "Ada: torch's row-wise scaled FP8 needs sm_90 (C14)")),
+    ((8, 9), (8, 9), Plan("sm_89", ("sdpa",), ("tensor",), "Ada: torch's row-wise scaled FP8 needs sm_90")),
     ((0, 0), (8, 8), Plan("sm_80", ("sdpa",), (), "FP8 needs compute capability >= 8.9")),
 )
 CPU_PLAN = Plan("cpu", ("sdpa",), (), "no CUDA GPU")
@@ -150,7 +151,8 @@ class Trials:
 
     plan: the GPU's plan, and `planned` the decision naming it; attention: the kernels to trial
     (`attention_steps`), `skipped` a note for each of the plan's left out; fp8: the granularities
-    to trial, bf16 after them (`fp8_steps`), `fp8_off` why there are none.
+    to trial, bf16 after them (`fp8_steps`), `fp8_off` why there are none; graphs: whether the
+    step runs as CUDA graphs on the device the transformer is on (`resolve_cuda_graphs`).
     """
 
     plan: Plan
@@ -159,6 +161,7 @@ class Trials:
     skipped: tuple[str, ...]
     fp8: tuple[str, ...]
     fp8_off: str
+    graphs: Decision
 
     @classmethod
     def resolve(cls, options: Options, transformer: torch.nn.Module) -> Trials:
@@ -173,16 +176,22 @@ class Trials:
         plan, planned = resolve_plan(options, device)
         kernels, skipped = attention_steps(options, plan, transformer, device)
         granularities, fp8_off = fp8_steps(options, plan, device)
-        return cls(plan, planned, tuple(kernels), tuple(skipped), tuple(granularities), fp8_off)
+        graphs = resolve_cuda_graphs(options, device)
+        return cls(plan, planned, tuple(kernels), tuple(skipped), tuple(granularities), fp8_off, graphs)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One resolved choice, e.g. `attention: sdpa (auto: no CUDA device)`."""
+    """One resolved choice, e.g. `attention: sdpa (auto: no CUDA device)`.
+
+    name: the fast path; value: what it resolved to; reason: why; asked: what the options asked
+    for (`auto`, `on`, `fa3`, ...; "" where not recorded, as in packages saved before it was).
+    """
 
     name: str
     value: str
     reason: str
+    asked: str = ""
 
     def __str__(self) -> str:
         return f"{self.name}: {self.value} ({self.reason})"
@@ -231,8 +240,6 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
         RuntimeError: the message the full decision would give later.
         ValueError: a forced `plan` that no row of `PLANS` covers.
     """
-    from aot.zerogpu import ON_ZEROGPU
-
     forced_plan(options)  # a capability no row covers raises now, not in the GPU call
     emulated = device.type == "cuda" and ON_ZEROGPU
     if options.attention == "fa3" and not emulated:
@@ -294,7 +301,7 @@ def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
         RuntimeError: `cuda_graphs=on` was asked for and the transformer is not on a CUDA device.
     """
     if options.cuda_graphs == "off":
-        return Decision("cuda_graphs", "off", "requested")
+        return Decision("cuda_graphs", "off", "requested", "off")
     problem = None if device.type == "cuda" else f"CUDA graphs need a CUDA GPU; the pipeline is on {device.type}"
     return _on_off_auto("cuda_graphs", options.cuda_graphs, problem)
 
@@ -302,10 +309,10 @@ def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
 def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:
     """`on` or `auto` (not `off`): on without a problem; else `on` raises with it, `auto` falls back."""
     if problem is None:
-        return Decision(name, "on", requested)
+        return Decision(name, "on", requested, requested)
     if requested == "on":
         raise RuntimeError(f"{name}=on cannot run: {problem}. Use --{name.replace('_', '-')} auto or off.")
-    return Decision(name, "off", f"auto: {problem}")
+    return Decision(name, "off", f"auto: {problem}", requested)
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aot import zerogpu
 from aot.blocks import COSTS, forward_signature, patch_forward, rel_error
 from aot.families import graph_safe_
 
@@ -44,10 +45,11 @@ MAX_GRAPHS = 8
 MAX_REL_ERROR = 1e-3
 # Graph keys (`_key`) whose check replay matched its step: the same packages at the same shapes
 # compute the same graph in every process of this Space, so each shape is checked once. On ZeroGPU
-# `zerogpu.gpu` brings a worker's new keys back to the main process, and every later worker,
-# forked from it, inherits them: a new worker's first step then costs a capture, not a capture
-# and a check step.
+# a worker's new keys come back to the main process with each call's result (`zerogpu.carry_back`),
+# and every later worker, forked from it, inherits them: a new worker's first step then costs a
+# capture, not a capture and a check step.
 VERIFIED: set[tuple] = set()
+zerogpu.carry_back("checked CUDA graph shapes", lambda: VERIFIED, VERIFIED.update)
 
 
 class GraphedStep:

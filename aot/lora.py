@@ -8,7 +8,7 @@ and what a captured CUDA graph replays. That is the whole mechanism; nothing is 
                               before compiling or binding, so the FP8 trial and FP8 weights see it
     Adapters(pipe, specs)     per request (AOT_LORA_CHOICES): `use(name)` writes base + that LoRA
                               into the targeted layers in place; `use(None)` writes the base back
-    forbid_peft_(pipe)        after `optimize_`: diffusers/peft adapter calls raise, naming these
+    forbid_peft_(pipe)        after `apply_`: diffusers/peft adapter calls raise, naming these
 
 The LoRA is read by diffusers and peft as `pipe.load_lora_weights` reads it (the pipeline class's
 own format conversions: kohya, xlabs, BFL, ...), into a skeleton of the transformer on the meta
@@ -248,7 +248,7 @@ def _delta(factors: Factors, device: torch.device) -> torch.Tensor:
 
 
 def fuse_(pipe: Any, specs: list[LoraSpec]) -> int:
-    """Add every LoRA's product to the transformer's weights, in place, before `optimize_`.
+    """Add every LoRA's product to the transformer's weights, in place, before compiling (`load_pipeline`).
 
     In bfloat16 the sum is rounded once, as peft's `merge` rounds it. Returns the number of layers
     changed (a layer several LoRAs target counts once).
@@ -389,7 +389,7 @@ def _write(layer: torch.nn.Linear, base: dict[str, torch.Tensor], factors: Facto
         inner[n].copy_(t)
 
 
-# PeftAdapterMixin's methods on the transformer: after `optimize_` they would change modules or
+# PeftAdapterMixin's methods on the transformer: after `apply_` they would change modules or
 # weights the compiled blocks never see (or raise a KeyError deep inside); each raises this instead.
 PEFT_METHODS = (
     "add_adapter",

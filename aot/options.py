@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +35,12 @@ class Options:
     """How to load and compile. The defaults take every fast path the hardware allows (`auto`);
     each can be switched off or forced.
 
-    Precedence: command-line flag, then environment variable, then the default below.
+    Precedence: command-line flag, then environment variable, then the defaults `from_env` is
+    given (app.py's `MODEL_ID`, `MIN_SIDE`, `MAX_SIDE`), then the default below.
     """
 
     model: str = field(
-        default="black-forest-labs/FLUX.1-dev",
+        default="",
         metadata=_option("MODEL_ID", "diffusers pipeline (a class in families.py): Hub repo id or local folder"),
     )
     compile: bool = field(
@@ -105,16 +106,6 @@ class Options:
             choices=("auto", "on", "off"),
         ),
     )
-    gpu_size: str = field(
-        default="auto",
-        metadata=_option(
-            "AOT_GPU_SIZE",
-            "ZeroGPU card size for the startup compile and each request (@spaces.GPU(size=...)): large = half an"
-            " RTX Pro 6000 Blackwell (48 GB), xlarge = the whole card (96 GB, twice the quota), auto = spaces'"
-            " default (large, or xlarge where the weights packed at launch exceed 42 GiB); ignored off ZeroGPU",
-            choices=("auto", "large", "xlarge"),
-        ),
-    )
     lora: str | None = field(
         default=None,
         metadata=_option(
@@ -171,14 +162,20 @@ class Options:
     )
 
     @classmethod
-    def parser(cls) -> argparse.ArgumentParser:
-        """An argparse parser with one flag per field (`--min-side` for `min_side`); defaults unset."""
+    def parser(cls, defaults: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
+        """An argparse parser with one flag per field (`--min-side` for `min_side`); defaults unset.
+
+        Args:
+            defaults: field -> value that `from_env` gets with the same `defaults` (app.py's
+                `MODEL_ID`, `MIN_SIDE`, `MAX_SIDE`), shown as the default in the help.
+        """
         parser = argparse.ArgumentParser(add_help=False)
         for f in dataclasses.fields(cls):
             meta = dict(f.metadata)
             env, help_ = meta.pop("env"), meta.pop("help")
             flag = "--" + f.name.replace("_", "-")
-            default = {None: "unset", True: "on", False: "off"}.get(f.default, f.default)
+            value = (defaults or {}).get(f.name, f.default)
+            default = {None: "unset", "": "unset", True: "on", False: "off"}.get(value, value)
             help_ = f"{help_} (env {env}; default {default})"
             if f.type == "bool":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
@@ -187,14 +184,20 @@ class Options:
         return parser
 
     @classmethod
-    def from_env(cls, args: argparse.Namespace | None = None, environ: os._Environ | dict | None = None) -> Options:
-        """Options from parsed flags (`parser()`), then `environ` (default `os.environ`), then defaults.
+    def from_env(
+        cls,
+        args: argparse.Namespace | None = None,
+        environ: Mapping[str, str] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> Options:
+        """Options from parsed flags (`parser()`), then `environ` (default `os.environ`), then
+        `defaults` (field -> value: app.py's own), then the fields' defaults below.
 
         Raises:
             ValueError: an environment variable holds a value its option does not allow.
         """
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(defaults or {})
         for f in dataclasses.fields(cls):
             flag_value = getattr(args, f.name, None) if args is not None else None
             if flag_value is not None:
@@ -244,14 +247,14 @@ class Options:
 
 
 @contextlib.contextmanager
-def stops_in_one_line(parser: argparse.ArgumentParser, enabled: bool = True) -> Iterator[None]:
+def usage_errors(parser: argparse.ArgumentParser, enabled: bool = True) -> Iterator[None]:
     """Inside, a setting that cannot work ends the program with `<prog>: error: <message>` and
     status 2, as argparse's own errors do, instead of a traceback that buries the message. Only
     errors our own checks raise (a ValueError, RuntimeError or OSError whose innermost frame is in
     this template's modules: a side range, a fast path this machine cannot run, an unreachable Hub,
     an unreadable LoRA); one raised inside a library (torch, diffusers) keeps its traceback, which
-    finding that fault needs, and so does one carried from a ZeroGPU worker (`zerogpu.gpu` adds the
-    worker's traceback as a note). With `enabled` False (a module imported, not run) everything raises.
+    finding that fault needs, and so does one carried from a ZeroGPU worker (`zerogpu.worker` adds
+    the worker's traceback as a note). With `enabled` False (a module imported, not run) everything raises.
     """
     try:
         yield
@@ -266,7 +269,7 @@ def stops_in_one_line(parser: argparse.ArgumentParser, enabled: bool = True) -> 
 
 
 # The template's own folders (the engine and the entry points above it): errors raised in their
-# modules are its checks (`stops_in_one_line`).
+# modules are its checks (`usage_errors`).
 HERE = Path(__file__).resolve().parent
 OURS = (HERE, HERE.parent)
 

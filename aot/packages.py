@@ -171,6 +171,19 @@ def save_packages(compiled: Compiled, directory: str | os.PathLike) -> Path:
     return directory / f"config.{name}.json"
 
 
+def save_and_push(compiled: Compiled, options: Options) -> str:
+    """Save `compiled` into `options.save` (`save_packages`) and, with `options.push`, publish that
+    folder (`push_packages`); returns where they went, in one line.
+
+    Raises:
+        RuntimeError, OSError: the save or the push failed (see those); the folder is as it was.
+    """
+    where = str(save_packages(compiled, options.save).parent)
+    if options.push:
+        where += f"; pushed to {push_packages(options.save, options.push, options.model)}"
+    return where
+
+
 def check_save_target(target: str | os.PathLike) -> None:
     """Raise `RuntimeError` now if a save cannot replace the folder `target` (before compiling).
 
@@ -306,13 +319,28 @@ def _kernels(fa3_kernel: str | None) -> list[dict[str, Any]]:
     return [{"repo_id": fa3_kernel, "version": FA3_KERNEL_VERSION}]
 
 
+def load_saved(options: Options, pipe: Any, target: Target, trials: Trials) -> Compiled | None:
+    """The packages of `options.load` for `pipe`, where they can be used here (`load_packages`);
+    else None, with the reason logged (the caller compiles instead).
+
+    Raises:
+        RuntimeError: `options.strict` and they cannot be used, saying why.
+    """
+    compiled, reason = load_packages(options.load, pipe, options, target, trials)
+    if compiled is None and options.strict:
+        raise RuntimeError(f"packages from {options.load} cannot be used: {reason}")
+    if compiled is None:
+        log.warning("packages from %s not used: %s; compiling", options.load, reason)
+    return compiled
+
+
 def load_packages(
     source: str, pipe: Any, options: Options, target: Target | None = None, trials: Trials | None = None
 ) -> tuple[Compiled | None, str]:
     """Verified packages for `pipe` under `options` from a folder or Hub repo: the first variant, in
     the order of `trials` (this GPU's, as a compile here would walk them), whose fingerprint matches
     `target`'s resolution and the model here. `target` and `trials` are worked out here when not
-    given (`optimize_` hands in the ones it gives the compile path).
+    given (`compile_transformer` hands in the ones it gives the compile path).
 
     Returns `(compiled, "")`, or `(None, reason)` with a one-line reason when they cannot be used
     here: no such variant, a malformed config, block classes other than this model's, a fingerprint
@@ -583,16 +611,21 @@ def hub_label(repo: HubRepo, snapshot: Path) -> str:
 
 
 def check_push_target(target: str) -> None:
-    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs a token, a
-    local folder must be replaceable (`check_save_target`)."""
+    """Raise `RuntimeError` now if pushing to `target` cannot work: a Hub repo id needs the Hub
+    (not `HF_HUB_OFFLINE`) and a token, a local folder must be replaceable (`check_save_target`)."""
     repo = hub_repo(target)
     if repo is None:
         check_save_target(target)
     elif repo.revision is not None:
         raise RuntimeError(f"--push {target}: push to {repo.repo_id}; a revision (@...) is for --load only")
     else:
-        from huggingface_hub import get_token
+        from huggingface_hub import constants, get_token
 
+        if constants.HF_HUB_OFFLINE:
+            raise RuntimeError(
+                f"--push {target}: the Hub is switched off here (HF_HUB_OFFLINE=1); unset it to push, "
+                f"or push into a local folder: ./{target}"
+            )
         if get_token() is None:
             raise RuntimeError(
                 f"--push {target}: pushing to the Hub needs a token (HF_TOKEN or `hf auth login`); "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,15 @@ from aot.options import Options
 from aot.packages import check_push_target, check_save_target
 
 log = logging.getLogger("compile")
+
+def tiny_pipelines() -> list[str]:
+    """The bundled tiny pipelines (`assets/tiny-*/` with a `model_index.json`), as MODEL_ID names them."""
+    assets = Path(__file__).resolve().parents[1] / "assets"
+    found = sorted(p.parent.name for p in assets.glob("tiny-*/model_index.json"))
+    return [f"assets/{name}" for name in found]
+
+
+TINY_ADVICE = "The bundled tiny pipelines run anywhere (e.g. MODEL_ID=assets/tiny-flux): " + ", ".join(tiny_pipelines())
 
 # Largest transformer `load_pipeline` runs on a CPU: FLUX.1-dev (12B) would need ~48 GB in float32
 # and minutes per step.
@@ -46,6 +56,8 @@ def load_pipeline(options: Options) -> Any:
     """
     import diffusers
 
+    if not options.model:
+        raise ValueError(f"no model: name one with --model or MODEL_ID (a Hub repo id or a folder). {TINY_ADVICE}")
     cuda = torch.cuda.is_available()
     if options.device.startswith("cuda") and not cuda:
         raise RuntimeError(
@@ -78,8 +90,7 @@ def load_pipeline(options: Options) -> Any:
         if params > CPU_MAX_PARAMS:
             raise RuntimeError(
                 f"{options.model} has a {params / 1e9:.1f}B-parameter transformer ({params * 2 / 1e9:.0f} GB in "
-                "bfloat16): it needs a CUDA GPU with room for it and the text encoders. Without one, run the "
-                "bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
+                f"bfloat16): it needs a CUDA GPU with room for it and the text encoders. {TINY_ADVICE}"
             )
     vae = _model_config(getattr(diffusers, index["vae"][1]), options.model, "vae")
     options.resolution(vae_scale_factor=vae_scale_factor(vae))
@@ -105,7 +116,10 @@ def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]
     import httpx
     from huggingface_hub import constants
 
-    advice = "Offline, or without access to a gated Hub repo, run the bundled tiny pipeline: MODEL_ID=assets/tiny-flux"
+    advice = f"Offline, or without access to a gated Hub repo: {TINY_ADVICE}"
+    first = model.replace(os.sep, "/").split("/")[0]
+    if not os.path.isdir(model) and (model.startswith((".", "/", "~")) or first and os.path.isdir(first)):
+        raise RuntimeError(f"cannot load {model!r}: there is no such folder. {TINY_ADVICE}")
     if not os.path.isdir(model):
         try:
             return cls.load_config(model, subfolder=subfolder, local_files_only=True)

@@ -1,12 +1,12 @@
-"""One replica of the pipeline per GPU: compile once per GPU model, bind the packages on every GPU.
+"""One replica of the pipeline per GPU: the devices to serve from, and which replica is free.
 
     python app.py                                  # AOT_DEVICES=auto: every visible GPU
     AOT_DEVICES=cuda:0,cuda:2 python app.py        # these GPUs
     AOT_DEVICES=cpu,cpu python app.py              # two CPU replicas (how the tests run it)
 
 Each replica is a pipeline on its own device, with its own weights, block runners and CUDA graphs.
-Packages are weights-less, so the first replica of each GPU model (name and compute capability)
-loads or compiles them and the others bind the same ones. Requests take a free replica
+Packages are weights-less, so the first replica of each GPU model (name and compute capability,
+`gpu_model`) loads or compiles them and the others bind the same ones (app.py's `start`). Requests take a free replica
 (`Replicas.take`); Gradio's queue runs one request per replica at once. On a machine with one GPU
 there is one replica and nothing else changes. On ZeroGPU there is one replica too, but requests
 are not held to it: each GPU call runs in a forked worker with its own copy of the pipeline, and
@@ -25,11 +25,9 @@ from typing import Any
 import torch
 
 from aot import lora
-from aot.blocks import Compiled, Report
-from aot.optimize import optimize_
 from aot.options import Options
 from aot.pipeline import load_pipeline
-from aot.target import Target
+from aot.zerogpu_limits import ON_ZEROGPU
 
 log = logging.getLogger("replicas")
 
@@ -38,8 +36,6 @@ def devices(options: Options) -> list[str]:
     """The devices to serve from: `options.devices` as a list, or for `auto` every visible CUDA GPU
     (`options.device` alone when it names one, or without CUDA). On ZeroGPU `options.device` alone:
     `options.devices` is ignored there (each GPU call's worker gets one GPU; `Replicas.take`)."""
-    from aot.zerogpu import ON_ZEROGPU
-
     if ON_ZEROGPU:
         return [options.device]
     if options.devices != "auto":
@@ -49,7 +45,7 @@ def devices(options: Options) -> list[str]:
     return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
 
 
-def gpu_model(device: str) -> str:
+def gpu_model(device: str | torch.device) -> str:
     """What packages are specific to: the GPU's name and compute capability, or the device type."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -62,17 +58,12 @@ ZEROGPU_MAX_WAITING = 20
 
 
 class Replicas:
-    """The pipelines, one per device, their LoRA choices (`lora.Adapters`, one per pipeline), their
-    targets (`target.Target`), and which of them are free. `len()` is how many pipelines there are,
-    `concurrency` how many requests may run at once; `zerogpu` says the pipelines are served by
-    ZeroGPU's forked workers."""
+    """The pipelines, one per device, their LoRA choices (`lora.Adapters`, one per pipeline), and
+    which of them are free. `len()` is how many pipelines there are, `concurrency` how many
+    requests may run at once; `zerogpu` says the pipelines are served by ZeroGPU's forked workers."""
 
-    def __init__(
-        self, pipes: list[Any], reports: list[Report | None], adapters: list[lora.Adapters], targets: list[Target]
-    ):
-        from aot.zerogpu import ON_ZEROGPU
-
-        self.pipes, self.reports, self.adapters, self.targets = pipes, reports, adapters, targets
+    def __init__(self, pipes: list[Any], adapters: list[lora.Adapters]):
+        self.pipes, self.adapters = pipes, adapters
         self.zerogpu = ON_ZEROGPU
         self._free: queue.Queue[int] = queue.Queue()
         for index in range(len(pipes)):
@@ -116,39 +107,16 @@ class Replicas:
             self._free.put(index)
 
 
-def start(options: Options, pipe: Any = None) -> Replicas:
-    """Load one pipeline per device and, with `options.compile`, optimize each (`optimize.optimize_`):
-    the first of each GPU model loads or compiles packages, the others bind them. Each pipeline
-    gets the LoRAs of `options.lora_choices` as `lora.Adapters`. With `pipe` (a tool's own
-    pipeline, e.g. tools/bench.py's random FLUX.1-dev) that one pipeline is the only replica.
+def load_pipelines(options: Options) -> list[Any]:
+    """One pipeline per serving device (`devices`), each loaded by `pipeline.load_pipeline` with
+    `options` on its own device.
 
     Raises:
-        RuntimeError, ValueError, OSError: see `pipeline.load_pipeline`, `optimize.optimize_` and
-            `lora.read`.
+        RuntimeError, ValueError, OSError: see `pipeline.load_pipeline`.
     """
-    given = pipe
-    chosen = devices(options) if given is None else [options.device]
-    pipes, reports, adapters, targets = [], [], [], []
-    compiled: dict[str, Compiled] = {}  # GPU model -> packages
-    for device in chosen:
-        replica = dataclasses.replace(options, device=device, devices="auto")
-        pipe = load_pipeline(replica) if given is None else given
-        target = Target.of(pipe, replica)  # worked out once per pipeline, handed to everything below
-        report = None
-        if options.compile:
-            model = gpu_model(device) if len(chosen) > 1 else ""  # one replica: no CUDA query (ZeroGPU)
-            if model in compiled:  # bind the packages; they were saved and pushed once already
-                replica = dataclasses.replace(replica, save=None, push=None)
-            report = optimize_(pipe, replica, compiled=compiled.get(model), target=target)
-            compiled.setdefault(model, report.compiled)
-        fp8 = report.compiled.fp8_config if report else None
-        if adapters:  # the LoRAs are read once, by the first replica's adapters
-            adapters.append(adapters[0].for_pipeline(pipe, fp8))
-        else:
-            adapters.append(lora.Adapters(pipe, list(target.choices), fp8))
-        pipes.append(pipe)
-        reports.append(report)
-        targets.append(target)
-    if len(chosen) > 1:
-        log.info("%d replicas on %s; packages for %d GPU model(s)", len(chosen), ", ".join(chosen), len(compiled))
-    return Replicas(pipes, reports, adapters, targets)
+    chosen = devices(options)
+    pipes = [load_pipeline(dataclasses.replace(options, device=device, devices="auto")) for device in chosen]
+    if len(pipes) > 1:
+        models = {gpu_model(device) for device in chosen}
+        log.info("%d replicas on %s; packages for %d GPU model(s)", len(chosen), ", ".join(chosen), len(models))
+    return pipes

@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from aot.blocks import tensor_bytes
 from aot.fast_paths import FP8_MAX_REL_ERROR, Decision, brief
-from aot.zerogpu import ON_ZEROGPU
+from aot.zerogpu_limits import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
 # output, logits); above this `auto` restores it. The blocks' bound: the same FP8 format, measured
@@ -243,7 +243,7 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
     used (the rules of `quantize_encoder_`), run it again and compare every floating output tensor
     (each hidden state, the pooled output, logits) with `blocks.rel_error`. `auto` keeps FP8 within
     `max_rel_error`; above it, or when anything raises, it puts the original Parameter objects
-    back and says why; off ZeroGPU, where the weights move to the GPU once, it tries nothing. `on`
+    back and says why; outside ZeroGPU, where the weights move to the GPU once, it tries nothing. `on`
     keeps FP8 at any finite error and raises where it cannot run (the originals back first). `off`
     touches nothing.
 
@@ -262,7 +262,11 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
     if option == "off":
         return TextFP8(option, reason="requested")
     if option == "auto" and not ON_ZEROGPU:
-        return TextFP8(option, reason="off ZeroGPU the weights move to the GPU once (--text-fp8 on: half the memory)")
+        return TextFP8(
+            option,
+            reason="only on ZeroGPU, where each new worker moves the weights to the GPU "
+            "(--text-fp8 on halves the text encoders' memory here too)",
+        )
     encoders = text_encoders(pipe)
     if not encoders:
         if option == "on":
@@ -324,7 +328,7 @@ def _trial_one_(
     if error == float("inf"):
         return restore_or_raise("its FP8 output has NaN or inf", error)
     if option == "auto" and not error <= max_rel_error:
-        return restore_or_raise(f"rel. error {error:.1e} > {max_rel_error:.0e}", error)
+        return restore_or_raise(f"above {max_rel_error:.0e}", error)
     return row(True, error)
 
 

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from aot.blocks import apply_
+from aot.apply import apply_
+from aot.blocks import patch_blocks_
 from aot.export import compile_blocks
 from aot.options import Options
-from aot.packages import save_packages
+from aot.packages import save_and_push, save_packages
 from aot.pipeline import load_pipeline
+from compile import compile_transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "assets" / "tiny-flux")
@@ -34,6 +36,15 @@ def tiny_options(**changes) -> Options:
 
 def load_tiny():
     return load_pipeline(tiny_options())
+
+
+def optimize(pipe, options: Options, compiled=None):
+    """What app.py's `start` does for one pipeline: compile (or bind `compiled`, another replica's
+    packages), save where asked, apply; returns the report."""
+    compiled = compiled or compile_transformer(pipe, options)
+    if options.save:
+        save_and_push(compiled, options)
+    return apply_(pipe, compiled)
 
 
 def generate(pipe, height: int, width: int, seed: int = 0, steps: int = 2, **kwargs) -> torch.Tensor:
@@ -74,7 +85,7 @@ def eager_pipe():
 def compiled_pipe(compiled):
     """A freshly loaded tiny pipeline with the session's packages applied."""
     pipe = load_tiny()
-    apply_(pipe, compiled)
+    patch_blocks_(pipe, compiled)
     return pipe
 
 

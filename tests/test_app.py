@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -16,14 +15,16 @@ import gradio as gr
 import numpy as np
 import pytest
 from conftest import ROOT, TINY, Server
+from gradio.components.image import ImageData
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
 import app
+from aot import images
 from aot.options import Options
 from aot.pipeline import load_pipeline
-from aot.space import Space, image_file
+from aot.server import guard, image_file
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,26 @@ def test_image_of_the_requested_size_comes_back_with_its_seed(client):
     assert notes == "768x512 px, 2 steps, seed 11."  # what was generated, for the UI and API clients
 
 
-def test_the_api_names_its_inputs_and_outputs(client):
+def test_the_api_names_its_inputs_and_outputs_with_the_models_defaults(client):
     endpoint = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]
-    assert [p["parameter_name"] for p in endpoint["parameters"]] == [f.name for f in dataclasses.fields(app.Request)]
+    parameters = {p["parameter_name"]: p for p in endpoint["parameters"]}
+    assert list(parameters) == [f.name for f in dataclasses.fields(app.Request)]
     assert [r["label"] for r in endpoint["returns"]] == ["Result", "seed", "notes"]  # were value_9, value_10
+    whole = {name: parameters[name]["python_type"]["type"] for name in ("seed", "width", "height")}
+    whole["num_inference_steps"] = parameters["num_inference_steps"]["python_type"]["type"]
+    assert whole == dict.fromkeys(whole, "int"), whole  # were float
+    defaults = {name: p["parameter_default"] for name, p in parameters.items() if name != "prompt"}
+    assert defaults == {
+        "seed": 0,
+        "randomize_seed": True,
+        "width": 1024,
+        "height": 1024,
+        "num_inference_steps": 28,  # FLUX.1-dev's (tiny-flux has a guidance embedding); schnell's: 4, below
+        "guidance_scale": 3.5,
+        "lora": "none",
+        "image": None,
+        "negative_prompt": "",
+    }, defaults
 
 
 def test_same_seed_same_image_and_random_seed_is_reported(client):
@@ -78,7 +95,7 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
     other, _, _ = generate(client, seed=4)
     assert np.array_equal(first, second)
     # ... in a file of its own: gradio's one file per image hash was rewritten while another request
-    # of the same image downloaded it (aot.space.image_file)
+    # of the same image downloaded it (aot.server.image_file)
     a, b = (client.predict("a red cat", 3, False, 512, 768, 2, 3.5, api_name="/generate")[0] for _ in "ab")
     assert Path(a).name != Path(b).name and Path(a).name.startswith("seed-3-")
     assert not np.array_equal(first, other)
@@ -101,15 +118,15 @@ def test_each_result_is_a_whole_png_of_its_own_and_a_failed_write_leaves_nothing
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"prompt": "   "}, "Enter a prompt"),
-        ({"prompt": "\x00\x00\x00"}, r"Enter a prompt \(it has no visible character\)"),
-        ({"width": 520}, r"width=520 is not allowed: use a multiple of 16 from 512 to 1536 px$"),
-        ({"width": 512.5}, r"width=512\.5: use a whole number"),
-        ({"height": 2048}, "Height: Value 2048 is greater than maximum value 1536"),
-        ({"steps": 0}, "Steps: Value 0 is less than minimum value 1"),
-        ({"guidance": 11.0}, "Guidance: Value 11.0 is greater than maximum value 10"),
-        ({"seed": -1}, "Seed: Value -1 is less than minimum value 0"),
-        ({"lora": "c"}, "LoRA: Value: c is not in the list of choices: \\['none', 'a', 'b'\\]"),
+        ({"prompt": "   "}, r"^Prompt: it has no visible character; describe what to generate\.$"),
+        ({"prompt": "\x00\x00\x00"}, r"^Prompt: it has no visible character; describe what to generate\.$"),
+        ({"width": 520}, r"^Width: 520 is not a multiple of 16; use a multiple of 16 from 512 to 1536 px\.$"),
+        ({"width": 512.5}, r"^Width: 512\.5 is not a whole number; use a multiple of 16 from 512 to 1536 px\.$"),
+        ({"height": 2048}, r"^Height: 2048 is above 1536; use a multiple of 16 from 512 to 1536 px\.$"),
+        ({"steps": 0}, r"^Steps: 0 is below 1; use a whole number from 1 to 50\.$"),
+        ({"guidance": 11.0}, r"^Guidance: 11\.0 is above 10; use a number from 0 to 10\.$"),
+        ({"seed": -1}, r"^Seed: -1 is below 0; use a whole number from 0 to 2147483647\.$"),
+        ({"lora": "c"}, r"^LoRA: 'c' is not offered; use one of none, a, b\.$"),
     ],
 )
 def test_invalid_request_is_refused_and_the_next_one_works(client, change, message):
@@ -122,9 +139,9 @@ def test_invalid_request_is_refused_and_the_next_one_works(client, change, messa
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"steps": "four"}, r"Steps: 'four' cannot be used \(TypeError\); use a whole number from 1 to 50"),
-        ({"guidance": None}, r"Guidance: None cannot be used \(TypeError\); use a number from 0 to 10"),
-        ({"randomize": "yes"}, r"randomize_seed='yes': use true or false"),
+        ({"steps": "four"}, r"^Steps: 'four' is not a number; use a whole number from 1 to 50\.$"),
+        ({"guidance": None}, r"^Guidance: None is not a number; use a number from 0 to 10\.$"),
+        ({"randomize": "yes"}, r"^Randomize seed: 'yes' is not true or false; use true or false\.$"),
     ],
 )
 def test_raw_api_values_are_refused_naming_the_parameter_and_what_is_allowed(client, server_log, change, message):
@@ -151,10 +168,10 @@ def raw_generate(server: str, values: list) -> tuple[str, str]:
 @pytest.mark.parametrize(
     ("index", "message"),
     [
-        (1, "Seed: nan cannot be used; use a whole number from 0 to 2147483647"),
-        (3, "Width: nan cannot be used; use a multiple of 16 from 512 to 1536 px"),
-        (5, "Steps: nan cannot be used; use a whole number from 1 to 50"),
-        (0, "The prompt holds '\\\\ud800', which is not text (a lone surrogate); send valid Unicode."),
+        (1, "Seed: nan is not a number; use a whole number from 0 to 2147483647."),
+        (3, "Width: nan is not a number; use a multiple of 16 from 512 to 1536 px."),
+        (5, "Steps: nan is not a number; use a whole number from 1 to 50."),
+        (0, "Prompt: it holds '\\\\ud800', which is not text (a lone surrogate); send valid Unicode."),
     ],
 )
 def test_nan_and_broken_text_over_plain_http_are_refused_naming_the_input(server, server_log, index, message):
@@ -169,38 +186,87 @@ def test_nan_and_broken_text_over_plain_http_are_refused_naming_the_input(server
 
 
 def plain_values() -> list:
-    """A plain-HTTP request's values: every field of app.Request, in order (gradio fills in no defaults there)."""
-    return list(dataclasses.astuple(app.Request("a red cat", 7, False, 512, 768, 2, 3.5)))
+    """A plain-HTTP request's values: every field of app.Request, in order."""
+    return ["a red cat", 7, False, 512, 768, 2, 3.5, "none", None, ""]
+
+
+def test_a_short_plain_http_call_gets_the_defaults_and_an_empty_one_is_told_what_to_send(server, server_log):
+    kind, data = raw_generate(server, ["a red cat"])  # only the prompt: the widgets' values for the rest
+    assert kind == "complete" and "1024x1024 px, 28 steps" in data, data
+    kind, data = raw_generate(server, plain_values()[:9])  # a client written before the negative prompt
+    assert kind == "complete" and "512x768 px, 2 steps, seed 7." in data, data
+    before = server_log.read_text()
+    kind, data = raw_generate(server, [])
+    names = ", ".join(f.name for f in dataclasses.fields(app.Request))
+    assert kind == "error" and f"Prompt: missing; send the inputs in this order: {names}" in data, data
+    assert "gradio.components" not in data and "/tmp" not in data, data
+    added = server_log.read_text()[len(before) :]
+    assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
+
+
+@pytest.fixture(scope="module")
+def schnell(saved, tmp_path_factory):
+    """tiny-flux-schnell served from tiny-flux's packages (its blocks are the same; it has no guidance)."""
+    env = {"MODEL_ID": str(ROOT / "assets" / "tiny-flux-schnell"), "AOT_LOAD": str(saved), "AOT_STRICT": "1"}
+    app = Server(["app.py"], env, tmp_path_factory.mktemp("schnell") / "app.log")
+    yield app.wait_until_serving()
+    app.stop()
+
+
+def test_a_prompt_only_call_gets_the_models_own_defaults_through_the_client_and_plain_http(schnell):
+    _, _, notes = Client(schnell.url, verbose=False).predict("a red fox", api_name="/generate")
+    assert notes.startswith("1024x1024 px, 4 steps, seed "), notes  # FLUX.1-schnell's 4 steps, not dev's 28
+    kind, data = raw_generate(schnell.url, ["a red fox"])
+    assert kind == "complete" and "1024x1024 px, 4 steps, seed " in data, data
+    assert "Guidance" not in notes, "schnell takes no guidance: its default leaves nothing to note"
 
 
 def test_a_ten_million_character_prompt_is_refused_at_once(client, server_log):
     before, start = server_log.stat().st_size, time.monotonic()
-    with pytest.raises(AppError, match=r"The prompt has 10,000,000 characters; use at most 10,000"):
+    with pytest.raises(AppError, match=r"Prompt: it has 10,000,000 characters; use at most 10,000"):
         generate(client, prompt="a" * 10_000_000)
     assert time.monotonic() - start < 10
     assert server_log.stat().st_size - before < 1_000_000, "the prompt went into the log"
     assert generate(client)[0].shape == (768, 512, 3)
 
 
-def test_an_upload_that_is_not_an_image_or_too_large_is_refused_without_a_server_path(client, server_log, tmp_path):
+def test_an_upload_to_a_text_to_image_model_is_refused_for_that_first(client, server_log, tmp_path):
+    # tiny-flux takes no image: whatever the file is (here not even an image), that is what is said.
     not_image = tmp_path / "notes.png"
     not_image.write_text("this is text, not a PNG")
-    bomb = tmp_path / "bomb.png"
-    Image.new("1", (10_000, 10_000)).save(bomb)  # 100 megapixels in a few kB
-    truncated = tmp_path / "truncated.png"
-    Image.new("RGB", (64, 64), "red").save(truncated)
-    truncated.write_bytes(truncated.read_bytes()[:60])
-    allowed = "use an image file \\(PNG, JPEG, WebP\\) of at most 50 MB and 64 megapixels"
-    for path, why in [(not_image, "cannot be used"), (bomb, "has 100 megapixels"), (truncated, "cannot be used")]:
-        before = server_log.read_text()
-        with pytest.raises(AppError) as refused:
-            generate(client, lora="none", image=handle_file(str(path)))
-        text = str(refused.value)
-        assert re.search(f"Reference image \\(optional\\): the uploaded file {why}.*; {allowed}", text), text
-        assert "/tmp" not in text and str(tmp_path) not in text, "a server path in the message"
-        added = server_log.read_text()[len(before) :]
-        assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
+    before = server_log.read_text()
+    with pytest.raises(AppError) as refused:
+        generate(client, lora="none", image=handle_file(str(not_image)))
+    assert str(refused.value) == "Input image: FLUX.1 generates from text only; leave it empty.", refused.value
+    added = server_log.read_text()[len(before) :]
+    assert added.count("refused a request: ") == 1 and "Traceback" not in added, added
     assert generate(client)[0].shape == (768, 512, 3)
+
+
+def uploaded(path: Path) -> ImageData:
+    """An upload's payload, as gradio hands it to the image widget's preprocessing."""
+    return ImageData(path=str(path), orig_name=path.name)
+
+
+def test_an_upload_that_is_not_an_accepted_image_is_refused_in_one_line_without_a_server_path(tmp_path):
+    # The image widget of a model that takes one (guard; a text-to-image model refuses any upload first).
+    widget = guard(gr.Image(label="Input image", type="pil", image_mode=None), images.ALLOWED)
+    files = {"notes.png": "is not an image", "bomb.png": "has 100 megapixels", "truncated.png": "cannot be read"}
+    files["scan.tiff"] = "is a TIFF file"
+    (tmp_path / "notes.png").write_text("this is text, not a PNG")
+    Image.new("1", (10_000, 10_000)).save(tmp_path / "bomb.png")  # 100 megapixels in a few kB
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "truncated.png")
+    (tmp_path / "truncated.png").write_bytes((tmp_path / "truncated.png").read_bytes()[:60])
+    Image.new("F", (64, 64), 0.5).save(tmp_path / "scan.tiff")  # TIFF: not one of the formats named
+    for name, why in files.items():
+        with pytest.raises(gr.Error) as refused:
+            widget.preprocess(uploaded(tmp_path / name))
+        text = refused.value.message
+        assert text.startswith(f"Input image: the uploaded file {why}"), text
+        assert text.endswith("; use an image file (PNG, JPEG, WebP) of at most 50 MB and 64 megapixels."), text
+        assert str(tmp_path) not in text and "/tmp" not in text, "a server path in the message"
+    Image.new("RGBA", (40, 30), (255, 0, 0, 128)).save(tmp_path / "fine.png")
+    assert widget.preprocess(uploaded(tmp_path / "fine.png")).mode == "RGBA"  # as it is: `prepare` converts it
 
 
 def test_refused_requests_log_one_line_each_and_no_traceback(client, server_log):
@@ -249,15 +315,41 @@ def test_two_simultaneous_requests_both_complete(client, server):
 def test_a_family_whose_one_step_image_is_nan_refuses_one_step_and_serves_the_next_request():
     """Qwen-Image's scheduler gives a NaN timestep for one step (tests/test_bench.py): the Space
     refuses it, saying what is allowed, and the UI's slider starts at two."""
-    space = Space.start(Options(model=str(ROOT / "assets" / "tiny-qwen-image"), device="cpu", compile=False))
-    request = app.Request("a red cat", width=512, height=512, num_inference_steps=1)
-    with pytest.raises(gr.Error, match=r"steps=1: use a whole number from 2 to 50 \(Qwen-Image's scheduler"):
-        space.generate(request)
-    image, _, notes = space.generate(dataclasses.replace(request, num_inference_steps=2, negative_prompt="blurry"))
+    server = app.start(Options(model=str(ROOT / "assets" / "tiny-qwen-image"), device="cpu", compile=False))
+    request = server.fill(app.Request("a red cat", width=512, height=512, num_inference_steps=1))
+    with pytest.raises(gr.Error, match=r"Steps: 1 is below 2; use a whole number from 2 to 50 \(Qwen-Image's sched"):
+        server.prepare(request)
+    request, seed, notes = server.prepare(dataclasses.replace(request, num_inference_steps=2, negative_prompt="blurry"))
+    image = server.infer(0, request, seed)
     assert image.size == (512, 512) and np.asarray(image).std() > 0  # a NaN image comes back all black
     assert "negative prompt" not in notes  # Qwen-Image takes one
-    slider = next(c for c in app.ui(space).blocks.values() if getattr(c, "label", None) == "Steps")
-    assert slider.minimum == 2
+    slider = next(c for c in app.ui(server).blocks.values() if getattr(c, "label", None) == "Steps")
+    assert slider.minimum == 2 and slider.value == 50  # Qwen-Image's default steps
+
+
+def handler(demo: gr.Blocks, inputs: list, outputs: list):
+    """The function of `demo`'s event that reads `inputs` and writes `outputs` (gradio's own wiring)."""
+    ids = lambda blocks: [b._id for b in blocks]  # noqa: E731
+    return next(f.fn for f in demo.fns.values() if ids(f.inputs) == ids(inputs) and ids(f.outputs) == ids(outputs))
+
+
+def widget(demo: gr.Blocks, label: str):
+    return next(c for c in demo.blocks.values() if getattr(c, "label", None) == label)
+
+
+def test_an_edit_models_size_sliders_follow_an_upload_and_the_last_seed_can_be_reused():
+    server = app.start(Options(model=str(ROOT / "assets" / "tiny-flux-kontext"), device="cpu", compile=False))
+    demo = app.ui(server)
+    image, width, height = widget(demo, "Input image"), widget(demo, "Width"), widget(demo, "Height")
+    follow = handler(demo, [image], [width, height])
+    w, h = follow(Image.new("RGB", (1000, 700)))
+    assert (w % 16, h % 16) == (0, 0) and abs(w / h / (1000 / 700) - 1) < 0.03, (w, h)
+    assert abs(w * h / 1024**2 - 1) < 0.05, "about as many pixels as the default size"
+    seed, randomize = widget(demo, "Seed"), widget(demo, "Randomize seed")
+    reuse = handler(demo, [widget(demo, "seed")], [seed, randomize])
+    assert reuse(123456) == (123456, False)  # the seed the last image was made with, kept from now on
+    examples = [c for c in demo.blocks.values() if isinstance(c, gr.Dataset)]
+    assert any("example.png" in str(sample) for dataset in examples for sample in dataset.samples)
 
 
 @pytest.mark.parametrize(
@@ -276,6 +368,14 @@ def test_a_setting_that_cannot_work_stops_app_py_with_one_line(flags, message, m
     stderr = capsys.readouterr().err
     assert exited.value.code == 2 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith(message), stderr[-3000:]
+
+
+def test_a_local_folder_that_is_not_there_is_named_with_the_tiny_pipelines(monkeypatch):
+    # A typo under a folder that exists is a missing folder, not an unreachable Hub repo.
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(RuntimeError, match="cannot load 'assets/nonexistent': there is no such folder") as refused:
+        load_pipeline(Options(model="assets/nonexistent", device="cpu"))
+    assert "assets/tiny-flux, " in str(refused.value) and "Hub" not in str(refused.value), refused.value
 
 
 def test_large_model_without_cuda_names_what_it_needs(tmp_path):
@@ -336,10 +436,10 @@ import app
 from aot.options import Options
 names = list(sys.modules)
 logging.basicConfig(level=logging.INFO)
-checks = [app.SPACE is None, names.index("spaces") < names.index("torch")]
+checks = [app.SERVER is None, names.index("spaces") < names.index("torch")]
 os.environ["MODEL_ID"] = {TINY!r}
-space = app.start(Options.from_env())
-print(json.dumps([*checks, space.status, app.generate("a cat", 1, False, 512, 512, 1, 3.5)[1]]))
+server = app.start(app.read_options([]))
+print(json.dumps([*checks, server.status, app.generate("a cat", 1, False, 512, 512, 1)[1]]))
 """
     env = {**os.environ, "MODEL_ID": "no/such-model", "AOT_COMPILE": "0"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -16,9 +16,9 @@ from aot.blocks import (
     BlockPackage,
     CompiledBlock,
     SharedPackage,
-    apply_,
     block_constants,
     contract_from_captures,
+    patch_blocks_,
     patch_forward,
     patched_forward,
     rel_error,
@@ -187,7 +187,7 @@ def test_packages_applied_to_other_weights_fail_at_apply_not_at_call(compiled):
     config["num_attention_heads"] = 4
     pipe.transformer = FluxTransformer2DModel.from_config(config)
     with pytest.raises(ValueError, match=r"FluxTransformerBlock #0 does not match its compiled package"):
-        apply_(pipe, compiled)
+        patch_blocks_(pipe, compiled)
     assert not compiled_blocks(pipe), "no block may be patched after a failed check"
 
 
@@ -196,7 +196,7 @@ def test_cpu_offload_hooks_are_refused(compiled):
     pipe = load_tiny()
     pipe.enable_model_cpu_offload(device="cpu")
     with pytest.raises(ValueError, match="offload hooks"):
-        apply_(pipe, compiled)
+        patch_blocks_(pipe, compiled)
 
 
 def test_tensor_subclass_weights_bind_to_a_weights_less_package():

@@ -16,13 +16,12 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TOLERANCE, Server
+from conftest import ROOT, TOLERANCE, Server, optimize
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from aot.blocks import apply_, contract_from_captures, rel_error, repeated_blocks
+from aot.blocks import contract_from_captures, patch_blocks_, rel_error, repeated_blocks
 from aot.families import FAMILIES, Call, family, latent_channels, with_latent_channels
-from aot.optimize import optimize_
 from aot.options import Options, Resolution
 from aot.pipeline import load_pipeline
 
@@ -40,12 +39,13 @@ FOLDERS = [
     if pipeline_class(f) in FAMILIES and pipeline_class(f) != "FluxPipeline"
     for missing in [FAMILIES[pipeline_class(f)].missing()]
 ]
-# The Space's paths that depend on the family (space.py, app.ui), each served once: an optional
+# The Space's paths that depend on the family (server.py, app.ui), each served once: an optional
 # reference image and a model that takes no guidance (FLUX.2 klein), a negative prompt (Qwen-Image),
-# a required input image and a prompt that is not cut (Qwen-Image-Edit). tiny-flux (guided, text
+# a required input image (Kontext) and a prompt that is not cut (Qwen-Image-Edit). tiny-flux (guided, text
 # only) is served by test_app.py; the other families differ from these in the pipeline call, which
 # their compiled and loaded pipelines run here in-process.
-SERVED = [f for f in FOLDERS if f.values[0] in ("tiny-flux2-klein", "tiny-qwen-image", "tiny-qwen-image-edit")]
+SERVED_FOLDERS = ("tiny-flux2-klein", "tiny-flux-kontext", "tiny-qwen-image", "tiny-qwen-image-edit")
+SERVED = [f for f in FOLDERS if f.values[0] in SERVED_FOLDERS]
 SIDES = {"min_side": 256, "max_side": 512}
 SIZES = [(256, 256), (512, 512), (256, 512)]
 
@@ -78,7 +78,7 @@ def compiled_families(tmp_path_factory):
         if folder not in cache:
             packages = tmp_path_factory.mktemp(folder) / "packages"
             pipe = load_pipeline(options(folder))
-            optimize_(pipe, options(folder, save=str(packages)))
+            optimize(pipe, options(folder, save=str(packages)))
             cache[folder] = pipe, packages
         return cache[folder]
 
@@ -104,7 +104,7 @@ def test_compiled_family_matches_eager_at_both_ends_and_non_square(folder, compi
     # What a Space started from the saved packages runs (the Space itself: SERVED families only): they
     # load, strict, into a fresh pipeline, which must match eager in the last call, the furthest from the captures.
     loaded = load_pipeline(options(folder))
-    assert optimize_(loaded, options(folder, load=str(packages), strict=True)).source == f"loaded from {packages}"
+    assert optimize(loaded, options(folder, load=str(packages), strict=True)).source == f"loaded from {packages}"
     error = rel_error(images(loaded, height, width, **extra), expected)
     assert error < TOLERANCE, f"{folder} loaded {height}x{width} {list(extra)}: rel. error {error:.2e}"
 
@@ -127,23 +127,31 @@ def test_space_serves_the_family_from_its_saved_packages(folder, compiled_famili
         if row.image_input == "required":
             image_path = tmp_path / "input.png"
             input_image().save(image_path)
-            with pytest.raises(Exception, match="Upload an input image"):
+            with pytest.raises(Exception, match=f"Input image: missing; upload the image to edit: {row.label} edits"):
                 client.predict(*args, api_name="/generate")
             args += ["none", handle_file(str(image_path))]  # no LoRA, the input image
         if not row.truncates:  # Qwen-Image-Edit: a prompt past the compiled text length is refused up front
-            with pytest.raises(Exception, match=rf"The prompt has \d+ text tokens; {row.label} takes at most 512"):
+            with pytest.raises(Exception, match=rf"Prompt: it has \d+ text tokens; {row.label} takes at most 512"):
                 client.predict("a red cat " * 300, *args[1:], api_name="/generate")
         path, seed, notes = client.predict(*args, api_name="/generate")  # text-only clients omit the image
         assert np.asarray(Image.open(path)).shape == (256, 384, 3) and seed == 5
         # What the request did not get as asked is in the notes: unused guidance, a resized input image.
         unused = f"Guidance {row.guidance:g} was not used"
         assert (unused in notes) == (not row.guided(pipe) and row.guidance != 0), notes
-        resized = "The input image (300x200) was resized to 384x256"
-        assert (resized in notes) == (row.image_input == "required"), notes
+        fitted = "The input image (300x200) was resized to 384x256"  # the same aspect ratio: nothing to crop
+        assert (fitted in notes) == (row.image_input == "required"), notes
         with urllib.request.urlopen(f"{app.url}config", timeout=30) as answer:  # the page's examples
             components = json.load(answer)["components"]
         samples = str([c["props"].get("samples") for c in components if c["type"] == "dataset"])
         assert ("turn it into a watercolor painting" in samples) == (row.image_input == "required"), samples
+        assert ("example.png" in samples) == (row.image_input == "required"), "an edit example without its image"
+        if row.image_input == "required":  # default size: the output follows the input image's aspect ratio
+            photo = tmp_path / "photo.png"
+            Image.new("RGB", (1000, 700), (90, 140, 200)).save(photo)
+            path, _, notes = client.predict("a red cat", image=handle_file(str(photo)), api_name="/generate")
+            height, width = np.asarray(Image.open(path)).shape[:2]
+            assert abs(width / height / (1000 / 700) - 1) < 0.03, (width, height, notes)
+            assert "follows the input image's aspect ratio" in notes and "stretch" not in notes, notes
         if row.image_input == "optional":
             image_path = tmp_path / "reference.png"
             input_image().save(image_path)
@@ -156,7 +164,7 @@ def test_space_serves_the_family_from_its_saved_packages(folder, compiled_famili
             again, _, _ = client.predict(*args, api_name="/generate")  # the same seed repeats exactly
             assert np.array_equal(np.asarray(Image.open(again)), np.asarray(Image.open(path)))
             assert not np.array_equal(np.asarray(Image.open(other)), np.asarray(Image.open(path)))
-            with pytest.raises(Exception, match="The negative prompt has 10,001 characters; use at most 10,000"):
+            with pytest.raises(Exception, match="Negative prompt: it has 10,001 characters; use at most 10,000"):
                 client.predict(*args, negative_prompt="x" * 10_001, api_name="/generate")
         assert "AoT loaded from" in app.text(), "the Space compiled instead of loading the saved packages"
     finally:
@@ -170,7 +178,7 @@ def test_flux1_packages_serve_the_checkpoint_without_guidance_too(compiled):
     schnell = Options(model=str(ROOT / "assets" / "tiny-flux-schnell"), device="cpu")
     eager, pipe = load_pipeline(schnell), load_pipeline(schnell)
     assert not family("FluxPipeline").guided(pipe)
-    apply_(pipe, compiled)
+    patch_blocks_(pipe, compiled)
     for height, width in [(512, 512), (768, 1344)]:
         error = rel_error(images(pipe, height, width), images(eager, height, width))
         assert error < TOLERANCE, f"tiny-flux-schnell {height}x{width}: rel. error {error:.2e}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY, ZeroGPUSpace, generate
 
-from aot.blocks import apply_, rel_error
+from aot.blocks import patch_blocks_, rel_error
 from aot.export import MAX_REL_ERROR, compile_blocks
 from aot.fast_paths import FP8_MAX_REL_ERROR
 from aot.options import Options
@@ -50,7 +50,7 @@ def test_fa3_blocks_match_eager():
     compiled = compile_blocks(pipe, Options(attention="fa3", fa3_kernel=FA3_KERNEL, fp8="off"))
     assert compiled.decisions[1].value == "fa3", compiled.decisions[1]
     assert all(p.rel_error < MAX_REL_ERROR for p in compiled.packages.values())
-    apply_(pipe, compiled)
+    patch_blocks_(pipe, compiled)
     error = rel_error(images(pipe), expected)
     assert error < IMAGE_TOLERANCE, f"FA3 compiled vs eager SDPA: {error:.2e}"
 
@@ -61,7 +61,7 @@ def test_fp8_blocks_stay_close_to_bf16():
     compiled = compile_blocks(pipe, Options(attention="sdpa", fp8="on"))
     assert all(p.fp8 for p in compiled.packages.values()), compiled.decisions[2]
     assert all(p.rel_error < FP8_MAX_REL_ERROR for p in compiled.packages.values())
-    apply_(pipe, compiled)
+    patch_blocks_(pipe, compiled)
     actual = images(pipe)
     assert torch.isfinite(actual).all()
     error = rel_error(actual, expected)
@@ -107,7 +107,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
     plan, attention, fp8 = compiled.decisions
     assert (plan.value, attention.value, fp8.value) == ("sm_120", "sdpa", "tensor"), compiled.decisions
     assert all(p.fp8 == "tensor" for p in compiled.packages.values())
-    apply_(pipe, compiled)
+    patch_blocks_(pipe, compiled)
     error = rel_error(images(pipe), expected)
     assert error < FP8_MAX_REL_ERROR, f"sm_120 plan compiled vs bf16 eager: {error:.2e}"
 
@@ -126,12 +126,13 @@ def test_fp32_pipeline_falls_back_to_sdpa():
 
 def test_cuda_graph_replays_match_plain_steps():
     # Replays must compute what a plain step computes, for each size and after switching sizes.
+    from conftest import optimize
+
     from aot.blocks import unpatch_forward
     from aot.graphs import GraphedStep
-    from aot.optimize import optimize_
 
     pipe = wide_pipeline()
-    report = optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
+    report = optimize(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
     assert report.decisions[-1].value == "on", report.decisions[-1]
     graphed = pipe.transformer.forward
     assert isinstance(graphed, GraphedStep)
@@ -147,12 +148,13 @@ def test_cuda_graph_replays_match_plain_steps():
 def test_a_checked_shape_is_captured_again_without_a_check_replay():
     # graphs.VERIFIED: a new GraphedStep (on ZeroGPU: a later worker, which inherits the set) captures
     # a shape already checked without replaying it against the step, and still matches plain steps.
+    from conftest import optimize
+
     from aot.blocks import COSTS, unpatch_forward
     from aot.graphs import VERIFIED, GraphedStep, graph_step_
-    from aot.optimize import optimize_
 
     pipe = wide_pipeline()
-    optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
+    optimize(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="on"))
     VERIFIED.clear()
     checks, captures = COSTS.checks, COSTS.captures
     generate(pipe, 1024, 768, steps=3)
@@ -170,13 +172,14 @@ def test_a_checked_shape_is_captured_again_without_a_check_replay():
 def test_a_step_that_gives_nan_is_not_captured_and_leaves_graphs_on():
     # One request whose step is NaN (the check replay could never match it) must not switch CUDA
     # graphs off for every later request: that shape is captured at its next finite call.
+    from conftest import optimize
+
     from aot.blocks import unpatch_forward
     from aot.graphs import GraphedStep, graph_step_
-    from aot.optimize import optimize_
     from tools.bench import step_inputs
 
     pipe = wide_pipeline()
-    optimize_(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="off"))
+    optimize(pipe, Options(attention="sdpa", fp8="off", cuda_graphs="off"))
     inputs = step_inputs(pipe, 512)  # a pipeline call: through a GraphedStep it would capture this shape
     graphed = graph_step_(pipe.transformer)
     with torch.no_grad():
@@ -195,9 +198,10 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     # One transformer step on fixed inputs, the LoRA at scale 4: at scale 1 it moved this random
     # 2+2-block step by 1.8e-2 (H200, 2026-12-01), too close to FP8's own 7e-3 to tell "applied"
     # (error ~ FP8's) from "ignored" (error ~ the LoRA's effect); 2-step latents hid it further.
+    from conftest import optimize
+
     from aot import lora
     from aot.fast_paths import fp8_config
-    from aot.optimize import optimize_
     from tools.bench import random_lora, step_inputs
 
     pipe = wide_pipeline()
@@ -215,7 +219,7 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     expected = step()  # eager bf16 + peft's LoRA layers
     pipe.unload_lora_weights()
     effect = rel_error(expected, base)
-    report = optimize_(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
+    report = optimize(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
     assert "attention: fa3, fp8: row, text_fp8: off, cuda_graphs: on" in report.summary(), report
     adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
+from conftest import ROOT, TOLERANCE, generate, load_tiny, optimize, tiny_options
 from diffusers import FluxPipeline
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
 from aot import lora
 from aot.blocks import rel_error
-from aot.optimize import optimize_
 from aot.pipeline import load_pipeline
 
 LORAS = ROOT / "assets" / "tiny-flux-loras"
@@ -48,7 +47,7 @@ def switching(compiled):
     """The compiled tiny pipeline with LoRAs a and b offered per request."""
     pipe = load_tiny()
     adapters = lora.Adapters(pipe, lora.parse(f"{A},{B}"))
-    optimize_(pipe, tiny_options(), compiled=compiled)
+    optimize(pipe, tiny_options(), compiled=compiled)
     return pipe, adapters
 
 
@@ -87,7 +86,7 @@ def test_an_unknown_lora_is_refused_naming_the_offered_ones(switching):
 @pytest.mark.parametrize("size", SIZES, ids=["min", "non-square"])
 def test_a_startup_lora_fused_before_compiling_matches_eager(compiled, size):
     pipe = load_pipeline(tiny_options(lora=f"{A}:0.5"))  # fused into the weights the packages bind
-    optimize_(pipe, tiny_options(), compiled=compiled)
+    optimize(pipe, tiny_options(), compiled=compiled)
     expected = generate(eager_with(a=0.5), *size)
     error = rel_error(generate(pipe, *size), expected)
     assert error < TOLERANCE, f"rel. error {error:.2e}"
@@ -96,7 +95,7 @@ def test_a_startup_lora_fused_before_compiling_matches_eager(compiled, size):
 
 def test_adapter_calls_after_compiling_raise_instead_of_being_ignored(compiled):
     pipe = load_tiny()
-    optimize_(pipe, tiny_options(), compiled=compiled)
+    optimize(pipe, tiny_options(), compiled=compiled)
     with pytest.raises(RuntimeError, match=r"load_lora_adapter: .* would be ignored. .*--lora"):
         pipe.load_lora_weights(A)
     with pytest.raises(RuntimeError, match="add_adapter: "):

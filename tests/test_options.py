@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
+from conftest import ROOT, TOLERANCE, generate, load_tiny, optimize, tiny_options
 
-from aot.blocks import apply_, rel_error
+from aot.blocks import patch_blocks_, rel_error
 from aot.export import compile_blocks
 from aot.fast_paths import Decision, fp8_config, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
-from aot.optimize import optimize_
 from aot.options import Options, Resolution
 from aot.pipeline import load_pipeline
 
@@ -144,7 +143,7 @@ def test_explicit_request_that_cannot_run_fails_before_any_work():
         compile_blocks(pipe, tiny_options(attention="fa3"))
     assert not calls, "the pipeline ran before the request was refused"
     with pytest.raises(RuntimeError, match="cuda_graphs=on cannot run"):
-        optimize_(pipe, tiny_options(cuda_graphs="on"))
+        optimize(pipe, tiny_options(cuda_graphs="on"))
     assert not calls, "the pipeline ran before the request was refused"
 
 
@@ -191,7 +190,7 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     assert re.fullmatch(walk, fp8.reason), fp8
     assert not any(p.fp8 for p in compiled.packages.values()) and compiled.fp8_granularity is None
     pipe = load_tiny()
-    apply_(pipe, compiled)
+    patch_blocks_(pipe, compiled)
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
     # ZeroGPU's card: no FA3 in its plan (none tried), per-tensor FP8 only. The decisions are what is
     # checked here, and the walk is the same for every block class: one class is compiled.
@@ -219,7 +218,7 @@ def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, 
     assert re.fullmatch(r"plan sm_90: row failed its trial \(.+\) -> tensor: FluxTransformerBlock .+", fp8.reason)
     assert all(p.fp8 == "tensor" for p in compiled.packages.values())
     pipe = load_tiny()
-    apply_(pipe, compiled)  # quantizes each class at its package's granularity before binding
+    patch_blocks_(pipe, compiled)  # quantizes each class at its package's granularity before binding
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < 5e-2
 
 

@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, TOLERANCE, generate, load_tiny, tiny_options
+from conftest import TINY, TOLERANCE, generate, load_tiny, optimize, tiny_options
 from diffusers import FluxTransformer2DModel
 
 from aot import native, packages
 from aot.blocks import rel_error
 from aot.fast_paths import Trials
-from aot.optimize import optimize_
 from aot.packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,15 +56,16 @@ def test_fresh_process_binds_saved_packages_without_compiling(saved, tmp_path, e
     script = f"""
 import sys, numpy as np, torch
 sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
-from aot import export, optimize, pipeline
+import compile
+from aot import export, pipeline
 def refuse(*args, **kwargs):
     raise AssertionError("compiled although packages were saved")
-export.export_block = export.compile_package = export.compile_blocks = optimize.compile_blocks = refuse
-from conftest import generate, tiny_options
+export.export_block = export.compile_package = export.compile_blocks = compile.compile_blocks = refuse
+from conftest import generate, optimize, tiny_options
 from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 options = tiny_options(load={str(saved)!r}, strict=True)
 pipe = pipeline.load_pipeline(options)
-report = optimize.optimize_(pipe, options)
+report = optimize(pipe, options)
 print(report.source)
 np.save({str(tmp_path / "image.npy")!r}, generate(pipe, 768, 512).numpy())
 print("ISA probes:", valid_vec_isa_list.cache_info().misses)  # a warm start needs none (blocks.load_runner)
@@ -161,7 +161,7 @@ def test_unusable_packages_are_refused_with_the_reason(copy, kind):
     breakage, reason = BREAKAGES[kind]
     breakage(copy)
     with pytest.raises(RuntimeError, match=reason):  # strict: no silent fallback, and no compile
-        optimize_(load_tiny(), tiny_options(load=str(copy), strict=True))
+        optimize(load_tiny(), tiny_options(load=str(copy), strict=True))
 
 
 def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, caplog, eager_pipe, monkeypatch):
@@ -179,7 +179,7 @@ def test_unusable_packages_are_recompiled_with_the_reason_logged(copy, caplog, e
 
     monkeypatch.setattr(Trials, "resolve", classmethod(counted))
     with caplog.at_level(logging.WARNING, logger="compile"):
-        report = optimize_(pipe, tiny_options(load=str(copy)))
+        report = optimize(pipe, tiny_options(load=str(copy)))
     assert report.source == "compiled"
     assert len(resolved) == 1, "the load path and the compile path each worked out the GPU's trials"
     assert report.compiled.decisions[0] is resolved[0].planned
@@ -309,7 +309,7 @@ def test_a_malformed_config_is_one_reason_line_never_a_traceback(copy, kind):
     compiled, got = load_packages(str(copy), load_tiny(), tiny_options())
     assert compiled is None and reason in got and "\n" not in got, got
     with pytest.raises(RuntimeError, match=re.escape(reason)):  # strict: the same reason, raised
-        optimize_(load_tiny(), tiny_options(load=str(copy), strict=True))
+        optimize(load_tiny(), tiny_options(load=str(copy), strict=True))
 
 
 def test_packages_for_other_options_or_another_model_are_refused(saved):
@@ -390,7 +390,7 @@ def test_a_save_target_that_cannot_be_written_is_refused_before_compiling(copy, 
     locked = copy if kind == "immutable folder" else copy.parent if kind == "immutable parent" else None
     with _immutable(locked) if locked else contextlib.nullcontext():
         with pytest.raises(RuntimeError, match=f"cannot save packages into {re.escape(str(target))}: ") as raised:
-            optimize_(pipe, tiny_options(save=str(target)))
+            optimize(pipe, tiny_options(save=str(target)))
     assert not calls, "the pipeline ran before the save target was checked"
     if expected:
         assert str(raised.value).endswith(expected)
@@ -546,6 +546,17 @@ def test_packages_of_another_size_range_live_beside(saved, compiled, copy):
     assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None  # 512..1536 still there
 
 
+def test_push_to_the_hub_offline_fails_in_one_line_before_loading_anything(tmp_path):
+    # HF_HUB_OFFLINE=1 with a token: the push would end in OfflineModeIsEnabled after the compile.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_not_a_real_token"}
+    flags = ["--model", TINY, "--save", str(tmp_path / "p"), "--push", "someone/flux-blocks"]
+    done = subprocess.run([sys.executable, "compile.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("compile.py: error: --push someone/flux-blocks: the Hub is switched off here"), last
+    assert "Traceback" not in done.stderr and "Loading pipeline" not in done.stderr, done.stderr[-3000:]
+
+
 def test_push_to_the_hub_without_a_token_fails_before_compiling(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored token either
@@ -553,7 +564,7 @@ def test_push_to_the_hub_without_a_token_fails_before_compiling(tmp_path, monkey
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
     with pytest.raises(RuntimeError, match="pushing to the Hub needs a token"):
-        optimize_(pipe, tiny_options(save=str(tmp_path / "p"), push="someone/flux-blocks"))
+        optimize(pipe, tiny_options(save=str(tmp_path / "p"), push="someone/flux-blocks"))
     assert not calls
 
 

@@ -28,7 +28,8 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from aot.blocks import OWNER_MARK, load_runner, remove_stale_extractions
-from aot.zerogpu import LARGE_MAX_BYTES, size_advice, weight_bytes
+from aot.server import weight_bytes
+from aot.zerogpu_limits import LARGE_MAX_BYTES, size_advice
 
 # float32 in the main process too (on ZeroGPU `auto` means bfloat16: CUDA looks available there),
 # so the worker's images can be compared with an eager float32 pipeline here.
@@ -223,7 +224,7 @@ def test_saved_packages_load_in_new_workers_which_move_fp8_text_encoders(saved, 
         for call in infers:
             assert call["new_worker"] and call["wait_s"] > 0, call
             assert (call["loads"], call["binds"]) == (2, 2 * 4), "one load per block class; 2 steps x 4 blocks bound"
-            assert call["imported"] == [], "each new worker would import these again: import them before the fork"
+            assert call["imported"] == 0, "each new worker would import these again: import them before the fork"
     finally:
         app.stop()
 
@@ -241,7 +242,7 @@ def test_eager_switch_serves_in_zerogpu_mode_with_a_lora_fused_in_the_main_proce
 
 def test_an_error_in_the_worker_reaches_the_main_process_whole(tmp_path):
     # spaces forwards only an exception's class name ("ZeroGPU worker error: RuntimeError");
-    # zerogpu.gpu carries the exception itself.
+    # zerogpu.worker carries the exception itself.
     (tmp_path / "empty").mkdir()
     app = cpu_space({"AOT_LOAD": str(tmp_path / "empty"), "AOT_STRICT": "1"}, tmp_path / "app.log")
     assert app.wait_until_exit() != 0
@@ -304,12 +305,12 @@ def test_the_sweep_skips_a_folder_another_process_removes_meanwhile(tmp_path, mo
 @pytest.mark.parametrize(
     ("moved", "size", "warns", "says"),
     [
-        (17_471_120_942, "auto", False, "moves 17.5 GB of weights to the GPU: fits large"),
-        (17_471_120_942, "xlarge", True, "large would hold them; AOT_GPU_SIZE=xlarge takes the whole card"),
-        (LARGE_MAX_BYTES + 1, "auto", True, "over 42 GiB: spaces runs every GPU call on xlarge"),
-        (LARGE_MAX_BYTES + 1, "large", True, "AOT_GPU_SIZE=large (48 GB) may not hold them"),
+        (17_471_120_942, None, False, "moves 17.5 GB of weights to the GPU: fits large"),
+        (17_471_120_942, "xlarge", True, "large would hold them; GPU_SIZE='xlarge' takes the whole card"),
+        (LARGE_MAX_BYTES + 1, None, True, "over 42 GiB: spaces runs every GPU call on xlarge"),
+        (LARGE_MAX_BYTES + 1, "large", True, "GPU_SIZE='large' (48 GB) may not hold them"),
         (LARGE_MAX_BYTES + 1, "xlarge", False, "over 42 GiB: xlarge"),
-        (708_764, "auto", False, "moves 0.709 MB of weights"),
+        (708_764, None, False, "moves 0.709 MB of weights"),
     ],
 )
 def test_startup_says_which_zerogpu_size_the_weights_fit(moved, size, warns, says):
@@ -319,7 +320,7 @@ def test_startup_says_which_zerogpu_size_the_weights_fit(moved, size, warns, say
 
 
 def test_shapes_a_worker_checked_reach_the_workers_forked_after_it(tmp_path):
-    # graphs.VERIFIED crosses back with a call's result (zerogpu.gpu), so a new worker captures a
+    # graphs.VERIFIED crosses back with a call's result (zerogpu.worker), so a new worker captures a
     # shape an earlier worker checked without replaying it. A CPU has no CUDA graphs: the key here is
     # a stand-in for a graph's; the fork, the pickling and the new workers (--cold) are real.
     script = tmp_path / "verified.py"
@@ -336,9 +337,9 @@ def check(key):
 def seen():
     return sorted(graphs.VERIFIED)
 
-zerogpu.gpu(check, duration=60)(("shape", 1024))
+spaces.GPU(duration=60)(zerogpu.worker(check))(("shape", 1024))
 print("main process:", sorted(graphs.VERIFIED), flush=True)
-print("next new worker:", zerogpu.gpu(seen, duration=60)(), flush=True)
+print("next new worker:", spaces.GPU(duration=60)(zerogpu.worker(seen))(), flush=True)
 """
     )
     done = subprocess.run(
@@ -359,7 +360,7 @@ def test_any_import_of_the_engine_imports_spaces_before_torch():
     # which every import of the engine runs first, imports spaces, then each verb's module on first use:
     # a process that needs one module (here blocks.py) imports neither gradio nor the rest.
     code = "import sys, aot.blocks; names = list(sys.modules); print(names.index('spaces') < names.index('torch'))"
-    code += "; print('gradio' in names, 'aot.space' in names)"
+    code += "; print('gradio' in names, 'aot.server' in names)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "False", "False"], done.stdout

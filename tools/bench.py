@@ -27,7 +27,8 @@ app.generate() on real prompts. `zerogpu` is the Space as ZeroGPU runs it, under
 zerogpu_harness.py (the real spaces package, forked GPU workers, weights packed to disk at launch):
 ready s is the startup compile in a worker plus applying its packages here; then /generate through
 gradio_client: the first request on a new worker, warm requests, and the step as the worker runs it.
-It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last.
+It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last, and appends
+that line to benchmarks/results.jsonl (`--results`).
 
 `--family NAME` measures another family at its published transformer shapes: the tiny pipeline
 assets/tiny-NAME/ with its transformer replaced by one built from `PUBLISHED_TRANSFORMER` in
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -67,6 +69,7 @@ from PIL import Image
 
 from aot import native
 from aot.blocks import (
+    Report,
     forward_signature,
     rel_error,
     repeated_blocks,
@@ -75,7 +78,6 @@ from aot.blocks import (
 from aot.export import capture, capture_blocks
 from aot.families import family, latent_channels, with_latent_channels
 from aot.graphs import GraphedStep, graph_step_
-from aot.optimize import optimize_
 from aot.options import Options
 from aot.pipeline import load_pipeline
 
@@ -436,7 +438,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
     """Fill in step ms, block ms, s / image, peak GiB and rel. error; return the final latents.
 
     With `graphs` (compiled scenarios on CUDA) the transformer then runs as the template runs it by
-    default: through CUDA graphs (`graph_step_`, what `optimize_` applies). The step is timed both
+    default: through CUDA graphs (`graph_step_`, what `apply_` applies). The step is timed both
     ways, the replay is compared with the plain step on inputs other than the captured ones, and
     the generation runs with graphs.
     """
@@ -486,6 +488,15 @@ def build(args, load: str | None = None):
     return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
 
+def start(pipe, options: Options) -> Report:
+    """`pipe` compiled (or loaded), saved and applied as `python app.py` does it (app.py's `start`:
+    compile.py's `compile_transformer`, then `save_and_push` where `options.save` is set, then
+    `apply_`); returns the report."""
+    import app
+
+    return app.start(options, pipe).reports[0]
+
+
 def worker(names: list[str], args) -> None:
     """Run `names` in this process; print one `ROW {json}` line per scenario. The log goes to stderr
     (run_group's log file), as `python app.py` logs: the zerogpu rows read their workers' lines."""
@@ -516,7 +527,7 @@ def worker(names: list[str], args) -> None:
                     native.probe_in_background().join()  # once per process; a Space overlaps it with the weights
                     row["isa_probe_s"] = time.perf_counter() - start
                 start = time.perf_counter()
-                report = optimize_(pipe, options)
+                report = start(pipe, options)
                 row["ready_s"], row["cold"] = time.perf_counter() - start, compiles == 0
                 compiles += 1
                 row["decisions"] = [str(d) for d in report.decisions]
@@ -552,8 +563,8 @@ def warm_start(args) -> dict:
     os.environ.update(AOT_LOAD=packages, AOT_STRICT="1")
     row = {"scenario": "warm", "cold": None}
     start = time.perf_counter()
-    space = app.start(Options.from_env(), pipe)
-    app.ui(space)
+    server = app.start(Options.from_env(), pipe)
+    app.ui(server)
     row["load_s"] = time.perf_counter() - start
     first = time.perf_counter()
     pipe(PROMPTS[0], height=args.size, width=args.size, num_inference_steps=1, output_type="latent")
@@ -561,7 +572,7 @@ def warm_start(args) -> dict:
     row["first_step_s"] = time.perf_counter() - first
     row["ready_s"] = time.perf_counter() - start
     row["isa_probes"] = valid_vec_isa_list.cache_info().misses
-    row["decisions"] = [space.status]
+    row["decisions"] = [server.status]
     kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
         row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
@@ -620,7 +631,7 @@ def lora_switching(args) -> dict:
     if native.needs_probe(pipe.transformer.device):
         native.probe_in_background().join()
     start = time.perf_counter()
-    report = optimize_(pipe, Options.from_env())
+    report = start(pipe, Options.from_env())
     row["ready_s"] = time.perf_counter() - start
     row["decisions"] = [str(d) for d in report.decisions]
     fp8 = report.compiled.fp8_config
@@ -651,11 +662,11 @@ def zerogpu_start(args, name: str) -> dict:
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
     worker before each, then the GPU is let go idle: `wait_for_idle_gpu`, idle_wait_s the median
     wait), median of `NEW_WORKERS`, and of it, in this process: generate_s
-    (`Space.generate`: the request's checks and the GPU call) and infer_s (the GPU call: asking for
+    (`app.generate`: the request's checks and the GPU call) and infer_s (`app.infer`, the GPU call: asking for
     a GPU, the worker's start and call, the result's way back); s_per_image: warm requests (the worker reused);
     step_ms: (warm request - request of 2 steps) / (steps - 2). moved_gb: the weights a new worker
-    moves (`zerogpu.weight_bytes`). The worker's own breakdown comes from its `zerogpu-call` log
-    lines (`zerogpu.gpu`), medians over new workers: wait_s (asking for the GPU to the call: spaces
+    moves (`server.weight_bytes`). The worker's own breakdown comes from its `zerogpu-call` log
+    lines (`zerogpu.worker`), medians over new workers: wait_s (asking for the GPU to the call: spaces
     moving the weights), the AoT-only costs (package loads, binds, CUDA graph captures and check
     replays), and
     other_first_s (the first call minus a warm call minus those: first calls of the text encoders,
@@ -665,7 +676,7 @@ def zerogpu_start(args, name: str) -> dict:
     import spaces  # noqa: F401  (ZeroGPU mode: patches torch before anything else touches it)
     from gradio_client import Client
 
-    from aot import zerogpu
+    from aot.server import weight_bytes
 
     calls = Path(args.work) / f"{name}-calls.log"  # workers fork after this: they inherit the handler
     handler = logging.FileHandler(calls)
@@ -680,18 +691,20 @@ def zerogpu_start(args, name: str) -> dict:
     start = time.perf_counter()
     import app
 
-    space = app.start(Options.from_env(), pipe)
-    demo = app.ui(space)
+    server = app.start(Options.from_env(), pipe)
+    # this process's part of a request: app.generate (the page's function, wrapped before the page is
+    # built) and the GPU call it makes, app.infer
+    served = {"generate": timed(app, "generate"), "infer": timed(app, "infer")}
+    demo = app.ui(server)
     row["ready_s"] = time.perf_counter() - start
-    row["decisions"] = [space.status]
-    row["moved_gb"] = zerogpu.weight_bytes(pipe) / 1e9
+    row["decisions"] = [server.status]
+    row["moved_gb"] = weight_bytes(pipe) / 1e9
     port = int(os.environ["GRADIO_SERVER_PORT"])
     start = time.perf_counter()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
     row["launch_s"] = time.perf_counter() - start
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     reclaim = urllib.request.Request(os.environ["SPACES_ZERO_DEVICE_API_URL"] + "/reclaim", method="POST")
-    served = {"generate": timed(space, "generate"), "infer": timed(space, "_infer")}  # this process's part
 
     on_new: list[bool] = []  # per request, in order: whether it ran on a new worker
     idle_waits: list[float] = []  # per new worker: seconds from the kill until the GPU was idle
@@ -760,9 +773,11 @@ NEW_WORKERS = 5
 
 
 def timed(obj: object, name: str) -> list[float]:
-    """Wrap the method `obj.name` (on this instance) to append each call's seconds to the list returned."""
+    """Wrap the function `obj.name` (an instance's method or a module's function; its signature kept,
+    which gradio reads) to append each call's seconds to the list returned."""
     method, seconds = getattr(obj, name), []
 
+    @functools.wraps(method)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
@@ -946,6 +961,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--logs", default=None, help="folder for each group's log (default: a temporary one)")
+    parser.add_argument(
+        "--results",
+        default=str(ROOT / "benchmarks" / "results.jsonl"),
+        help="file the JSON line is appended to ('' for none; default: benchmarks/results.jsonl)",
+    )
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -980,7 +1000,12 @@ def main(argv: list[str] | None = None) -> int:
         "reference": args.reference,
     }
     shape.update(size=args.size, steps=args.steps)
-    print(json.dumps({**environment(), **shape, "rows": rows}))
+    line = json.dumps({**environment(), **shape, "rows": rows})
+    print(line)
+    if args.results:  # the record BENCHMARKS.md's tables name their lines in
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.results, "a") as results:
+            results.write(line + "\n")
     return 0
 
 
