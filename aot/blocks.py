@@ -29,7 +29,7 @@ from torch._inductor.package import AOTICompiledModel
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from aot import zerogpu
+from aot import locks, zerogpu
 from aot.fast_paths import Decision, fp8_config, load_fa3, quantize_block_
 from aot.options import Resolution
 
@@ -388,8 +388,9 @@ def load_runner(package: bytes) -> Any:
 
     The loader extracts the package into a new folder `/tmp/<random>/` (whatever TMPDIR says; torch
     2.11) and removes it when the runner is freed, which a killed process never does, and ZeroGPU
-    kills its workers. So each extraction is marked with this process's id, and the first load of a
-    process removes the folders of dead ones (`remove_stale_extractions`).
+    kills its workers. So this process holds a lock on an owner mark in each folder it extracted
+    (`locks.hold`: the kernel drops it when the process dies, whatever its PID), and the first load
+    of a process removes the folders whose mark nobody holds (`remove_stale_extractions`).
 
     Raises:
         RuntimeError: the native loader cannot read the package.
@@ -403,13 +404,13 @@ def load_runner(package: bytes) -> Any:
         f.flush()
         loader = torch._C._aoti.AOTIModelPackageLoader(f.name, "model", True, 1, -1)
     for folder in _mapped_extractions():
-        (folder / f"{OWNER_MARK}{os.getpid()}").touch()
+        locks.hold(folder / OWNER_MARK)
     return AOTICompiledModel(loader)
 
 
-# Where AOTIModelPackageLoader extracts packages, and the mark naming the process that loaded one.
+# Where AOTIModelPackageLoader extracts packages, and the lock file its loading process holds there.
 EXTRACT_ROOT = Path("/tmp")
-OWNER_MARK = ".aot-blocks-owner-"
+OWNER_MARK = ".aot-blocks-owner.lock"
 _swept = False
 
 
@@ -429,14 +430,13 @@ def _mapped_extractions() -> set[Path]:
 def remove_stale_extractions() -> list[Path]:
     """Remove the package folders under /tmp that processes no longer alive extracted; returns them.
 
-    Only folders marked by `load_runner` (`/tmp/<random>/.aot-blocks-owner-<pid>`) are candidates;
-    those of living processes stay. A process killed between extracting and marking (microseconds)
-    leaves an unmarked folder, which stays.
+    Only folders marked by `load_runner` (`/tmp/<random>/.aot-blocks-owner.lock`) are candidates;
+    those whose mark a living process holds stay (`locks.held`). A process killed between
+    extracting and marking (microseconds) leaves an unmarked folder, which stays.
     """
     removed = []
     for mark in _owner_marks():
-        pid = mark.name.removeprefix(OWNER_MARK)
-        if pid.isdigit() and not process_alive(int(pid)):
+        if not locks.held(mark):
             shutil.rmtree(mark.parent, ignore_errors=True)
             removed.append(mark.parent)
     return removed
@@ -452,21 +452,10 @@ def _owner_marks() -> list[Path]:
     for folder in folders:
         try:
             with os.scandir(folder) as entries:
-                marks += [Path(entry.path) for entry in entries if entry.name.startswith(OWNER_MARK)]
+                marks += [Path(entry.path) for entry in entries if entry.name == OWNER_MARK]
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             continue
     return marks
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists (on this machine's process namespace)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def bind(package: bytes, block: torch.nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -43,8 +43,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from aot import native
-from aot.blocks import BlockPackage, Compiled, dtype_name, forward_signature, process_alive, repeated_blocks
+from aot import locks, native
+from aot.blocks import BlockPackage, Compiled, dtype_name, forward_signature, repeated_blocks
 from aot.fast_paths import FA3_KERNEL_VERSION, Decision, Trials, one_line
 from aot.options import Options, Resolution
 from aot.target import Target
@@ -222,15 +222,29 @@ def _swap(directory: Path, fill: Callable[[Path], None]) -> None:
     a symbolic link stays a link, which the loader refuses). Two renames then swap the folders.
     A failure leaves the old folder as it was and removes the staging folder; a failed second
     rename puts the old folder back. A kill before the renames leaves the old folder as it was;
-    one between them leaves it as `.<name>.old-<pid>-*`, which `_tidy` puts back.
+    one between them leaves it as `.<name>.old-*`, which `_tidy` puts back.
+
+    The whole save holds `.<name>.lock` beside `directory` (`locks.holding`; a second save waits
+    for the first), so leftovers found while it is held are a dead save's, whatever its PID.
     """
-    _tidy(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-{os.getpid()}-", dir=directory.parent))
+    with locks.holding(_save_lock(directory)):
+        _tidy(directory)
+        _swap_held(directory, fill)
+
+
+def _save_lock(directory: Path) -> Path:
+    """The lock a save of `directory` holds while it runs: `.<name>.lock` beside it."""
+    return directory.with_name(f".{directory.name}.lock")
+
+
+def _swap_held(directory: Path, fill: Callable[[Path], None]) -> None:
+    """`_swap`'s work, its lock held."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
-    previous = directory.with_name(f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    previous = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
     try:
         fill(staging)
         if directory.is_dir():
@@ -254,20 +268,30 @@ def _swap(directory: Path, fill: Callable[[Path], None]) -> None:
     _remove(previous)
 
 
-def _tidy(directory: Path) -> None:
-    """Repair and clean what interrupted saves left beside `directory`; run before each load and save.
+def _tidy_unless_saving(directory: Path) -> None:
+    """`_tidy(directory)` before a load, unless a save of it is under way in a living process (its
+    lock is held: then what lies beside it is that save's). A folder where the lock file cannot be
+    made (read-only) is not tidied: nothing there could be renamed or removed anyway."""
+    try:
+        with locks.holding(_save_lock(directory), wait=False) as mine:
+            if mine:
+                _tidy(directory)
+    except OSError as exc:
+        log.info("not tidying beside %s: %s", directory, exc)
 
-    A save names its folders `.<name>.staging-<pid>-*` and `.<name>.old-<pid>-*`; only those of
-    processes no longer running are touched (names without a pid come from older versions and
-    count as dead), so a save under way elsewhere keeps its own. If `directory` is missing, the
-    newest old copy is renamed back (a save stopped between its two renames); the other leftovers
-    are deleted, read-only ones included. Failures are logged, not raised: a load from a read-only
-    place still works.
+
+def _tidy(directory: Path) -> None:
+    """Repair and clean what interrupted saves left beside `directory`; its caller holds the save
+    lock (`_swap`, `_tidy_unless_saving`), so no save of it is under way.
+
+    A save names its folders `.<name>.staging-*` and `.<name>.old-*`. If `directory` is missing,
+    the newest old copy is renamed back (a save stopped between its two renames); the other
+    leftovers are deleted, read-only ones included. Failures are logged, not raised: a load from a
+    read-only place still works.
     """
 
     def left(kind: str) -> list[Path]:
-        prefix = f".{directory.name}.{kind}-"
-        found = [p for p in directory.parent.glob(glob.escape(prefix) + "*") if not _saver_alive(p.name[len(prefix) :])]
+        found = directory.parent.glob(glob.escape(f".{directory.name}.{kind}-") + "*")
         return sorted(found, key=lambda p: p.lstat().st_mtime)
 
     try:
@@ -280,12 +304,6 @@ def _tidy(directory: Path) -> None:
                 log.info("removed %s, left by an interrupted save", leftover)
     except OSError as exc:
         log.warning("cannot tidy up what interrupted saves left beside %s: %s", directory, exc)
-
-
-def _saver_alive(suffix: str) -> bool:
-    """Whether the process named in a leftover's suffix (`<pid>-<random>`) is still running."""
-    pid = re.match(r"(\d+)-", suffix)
-    return pid is not None and process_alive(int(pid.group(1)))
 
 
 def _remove(path: Path) -> bool:
@@ -642,7 +660,7 @@ def _fetch(source: str, names: list[str]) -> tuple[Path, str, Path | None]:
     """
     repo = hub_repo(source)
     if repo is None:
-        _tidy(Path(source).resolve())
+        _tidy_unless_saving(Path(source).resolve())
         return Path(source), source, None
     from huggingface_hub import snapshot_download
 

@@ -20,7 +20,7 @@ import torch
 from conftest import TINY, TOLERANCE, generate, load_tiny, optimize, tiny_options
 from diffusers import FluxTransformer2DModel
 
-from aot import native, packages
+from aot import locks, native, packages
 from aot.blocks import rel_error
 from aot.fast_paths import Trials
 from aot.packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
@@ -341,7 +341,7 @@ packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(c
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
     assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None
     save_packages(compiled, copy)  # the next save cleans up what the killed one left
-    assert not list(copy.parent.glob(".packages.*"))
+    assert _beside(copy) == []
 
 
 def test_save_stopped_between_its_two_renames_is_recovered(copy):
@@ -357,8 +357,9 @@ def _files(folder: Path) -> dict[Path, bytes]:
 
 
 def _beside(folder: Path) -> list[str]:
-    """What a save left beside `folder` (`.packages.staging-*`, `.packages.old-*`)."""
-    return sorted(p.name for p in folder.parent.glob(f".{folder.name}.*"))
+    """What a save left beside `folder` (`.packages.staging-*`, `.packages.old-*`), but its lock file,
+    which stays (removing a lock file others may have open would let two saves run at once)."""
+    return sorted(p.name for p in folder.parent.glob(f".{folder.name}.*") if p.name != f".{folder.name}.lock")
 
 
 @contextlib.contextmanager
@@ -461,32 +462,46 @@ def test_a_failed_swap_leaves_the_folder_as_it_was(copy, compiled, monkeypatch):
     assert _files(copy) == before and _beside(copy) == []
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
-
-
-def test_leftovers_of_dead_saves_are_cleaned_on_load_and_a_live_save_keeps_its_own(copy, tmp_path):
-    dead = _dead_pid()
-    staging = copy.with_name(f".packages.staging-{dead}-k2j4")
+def test_leftovers_of_dead_saves_are_cleaned_on_load_whatever_pid_they_name(copy, tmp_path):
+    # Before: a leftover named with a running process's PID counted as a save under way, and in a
+    # container the app is PID 1 at every start: it was never restored or removed, and the load failed.
+    # This test's own PID stands for that: no save holds the lock, so these are a dead save's.
+    pid = os.getpid()
+    staging = copy.with_name(f".packages.staging-{pid}-k2j4")
     (staging / "sub").mkdir(parents=True)
     (staging / "sub" / "file").write_text("half written")
     for folder in (staging / "sub", staging):
         folder.chmod(0o555)  # read-only leftovers go too
-    old = Path(shutil.copytree(copy, copy.with_name(f".packages.old-{dead}-0123abcd")))
-    legacy = Path(shutil.copytree(copy, copy.with_name(".packages.old-89abcdef")))  # no pid: an older version's
+    old = Path(shutil.copytree(copy, copy.with_name(f".packages.old-{pid}-0123abcd")))
+    legacy = Path(shutil.copytree(copy, copy.with_name(".packages.old-89abcdef")))
     outside = tmp_path / "outside-folder"
     outside.mkdir()
     (outside / "keep").write_text("not ours")
-    link = copy.with_name(f".packages.old-{dead}-deadbeef")
+    link = copy.with_name(f".packages.old-{pid}-deadbeef")
     link.symlink_to(outside, target_is_directory=True)
-    live = copy.with_name(f".packages.staging-{os.getpid()}-live")  # a save under way in a running process
-    live.mkdir()
     compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
     assert compiled is not None, reason
     assert not any(os.path.lexists(p) for p in (staging, old, legacy, link))
     assert (outside / "keep").read_text() == "not ours", "a link was followed"
+    assert _beside(copy) == []
+
+
+def test_a_save_stopped_between_its_renames_with_the_same_pid_is_restored(copy):
+    # The same container restart: the previous set sits as .old-<this PID>-*, the folder is missing.
+    os.rename(copy, copy.with_name(f".packages.old-{os.getpid()}-0123abcd"))
+    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
+    assert copy.is_dir() and _beside(copy) == []
+
+
+def test_what_a_save_under_way_has_beside_it_stays(copy):
+    # A save holds `.packages.lock` while it runs (here this process holds it, as another saver would):
+    # a load meanwhile leaves its staging folder alone.
+    live = copy.with_name(".packages.staging-live")
+    live.mkdir()
+    with locks.holding(copy.with_name(".packages.lock")):
+        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    assert compiled is not None, reason
     assert _beside(copy) == [live.name]
 
 
@@ -495,7 +510,7 @@ def test_a_leftover_that_cannot_be_removed_is_not_reported_removed(tmp_path, cap
     # Permission bits do not stop root: as root the tidy runs without CAP_DAC_OVERRIDE (setpriv).
     parent = tmp_path / "read-only"
     folder = parent / "packages"
-    leftover = parent / f".packages.staging-{_dead_pid()}-k2j4"
+    leftover = parent / ".packages.staging-k2j4"
     (leftover / "sub").mkdir(parents=True)
     folder.mkdir()
     parent.chmod(0o555)
@@ -531,7 +546,7 @@ def test_a_relative_folder_stopped_between_the_renames_is_still_local(saved, tmp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rel").mkdir()
     assert packages.hub_repo("rel/pk") is not None  # nothing there: owner/name is a Hub repo
-    shutil.copytree(saved, tmp_path / "rel" / f".pk.old-{_dead_pid()}-0123abcd")
+    shutil.copytree(saved, tmp_path / "rel" / ".pk.old-0123abcd")
     assert packages.hub_repo("rel/pk") is None
     compiled, reason = load_packages("rel/pk", load_tiny(), tiny_options())
     assert compiled is not None, reason
