@@ -488,7 +488,7 @@ def build(args, load: str | None = None):
     return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
 
-def start(pipe, options: Options) -> Report:
+def start_space(pipe, options: Options) -> Report:
     """`pipe` compiled (or loaded), saved and applied as `python app.py` does it (app.py's `start`:
     compile.py's `compile_transformer`, then `save_and_push` where `options.save` is set, then
     `apply_`); returns the report."""
@@ -527,7 +527,7 @@ def worker(names: list[str], args) -> None:
                     native.probe_in_background().join()  # once per process; a Space overlaps it with the weights
                     row["isa_probe_s"] = time.perf_counter() - start
                 start = time.perf_counter()
-                report = start(pipe, options)
+                report = start_space(pipe, options)
                 row["ready_s"], row["cold"] = time.perf_counter() - start, compiles == 0
                 compiles += 1
                 row["decisions"] = [str(d) for d in report.decisions]
@@ -631,7 +631,7 @@ def lora_switching(args) -> dict:
     if native.needs_probe(pipe.transformer.device):
         native.probe_in_background().join()
     start = time.perf_counter()
-    report = start(pipe, Options.from_env())
+    report = start_space(pipe, Options.from_env())
     row["ready_s"] = time.perf_counter() - start
     row["decisions"] = [str(d) for d in report.decisions]
     fp8 = report.compiled.fp8_config
