@@ -735,7 +735,7 @@ def zerogpu_start(args, name: str) -> dict:
     keys = ("wait_s", "call_s", "loads", "load_s", "binds", "bind_s", "captures", "capture_s", "checks", "check_s")
     for key in keys:
         row[f"new_{key}"] = statistics.median(line[key] for line in firsts)
-    row["new_imports"] = statistics.median(len(line["imported"]) for line in firsts)
+    row["new_imports"] = statistics.median(line["imported"] for line in firsts)
     row["new_aot_s"] = row["new_load_s"] + row["new_bind_s"] + row["new_capture_s"] + row["new_check_s"]
     row["new_other_first_s"] = row["new_call_s"] - warm - row["new_aot_s"]
     row["warm_call_s"] = warm
