@@ -747,9 +747,8 @@ def wait_for_idle_gpu(limit_s: float = 20.0) -> float:
     as after a quiet spell; returns the seconds waited (0 without `nvidia-smi`: a CPU run).
 
     A killed worker's GPU context is torn down after the kill returns; a worker started meanwhile
-    shares the GPU with that teardown (the eleventh session's later new workers were slower than the
-    first, which started on an idle GPU: BENCHMARKS.md). A visitor after a quiet spell meets an idle
-    GPU. After `limit_s` it goes on anyway."""
+    shares the GPU with that teardown, and new workers started so were slower than one started on an
+    idle GPU. A visitor after a quiet spell meets an idle GPU. After `limit_s` it goes on anyway."""
     query = ["nvidia-smi", "--id=" + os.environ.get("ZEROGPU_HARNESS_GPU", "0")]
     query += ["--query-gpu=memory.used", "--format=csv,noheader,nounits"]
     start = time.perf_counter()
