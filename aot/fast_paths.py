@@ -429,8 +429,8 @@ class BiasAfterGEMM(torch.nn.Linear):
     cuBLASLt refuses a row-wise scaled FP8 GEMM that has both a bias and fast accumulation (what
     torchao asks for) at 32 rows or fewer: `CUBLAS_STATUS_NOT_SUPPORTED` from
     `cublasLtMatmulAlgoGetHeuristic` for K=12288, N=3072 at M = 1..32, not at 48, 64 or 512, and
-    not without the bias or without fast accumulation (torch 2.11.0+cu130, H200, BENCHMARKS.md
-    2026-12-03). That is Qwen-Image's text MLP at a short prompt. Inductor fuses the add into the
+    not without the bias or without fast accumulation (torch 2.11.0+cu130, H200; BENCHMARKS.md,
+    "cuBLASLt's 32-row refusal"). That is Qwen-Image's text MLP at a short prompt. Inductor fuses the add into the
     kernel that reads the GEMM's output. Same parameters and names as the `nn.Linear` it replaces.
     Only layers that see few rows get it (`BIAS_AFTER_GEMM_ROWS`).
     """

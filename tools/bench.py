@@ -507,7 +507,7 @@ def worker(names: list[str], args) -> None:
         return print("ROW " + json.dumps(lora_switching(args)), flush=True)
     if names[0] in ZEROGPU:
         print("ROW " + json.dumps(zerogpu_start(args, names[0])), flush=True)
-        os._exit(0)  # a Space never stops: closing it hung here (H200, 2026-12-01); its worker is ended
+        os._exit(0)  # a Space never stops, and closing it hung here on the H200; its worker is ended
     pipe = build(args)
     work = Path(args.work)
     reference = torch.load(work / "eager.pt") if (work / "eager.pt").exists() else None
