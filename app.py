@@ -34,13 +34,14 @@ from aot import (
     Server,
     apply_,
     gpu_model,
-    image_file,
     images,
     load_pipelines,
+    preflight,
     save_and_push,
     usage_errors,
     zerogpu,
 )
+from aot.results import delete_cache
 from aot.server import fill_short_calls
 from compile import compile_transformer
 
@@ -156,7 +157,7 @@ def generate(*values):
     request, seed, notes = SERVER.prepare(request)
     with SERVER.replica(request) as replica:
         image = infer(replica, request, seed)
-    return image_file(image, seed), seed, notes  # a file per request: two same images never share one
+    return SERVER.results.write(image, seed), seed, notes  # a PNG of its own, deleted after AOT_RESULTS_MAX_AGE
 
 
 # gradio names the API's parameters after generate's (Request's fields), and shows the pipeline's
@@ -175,7 +176,8 @@ def ui(server: Server) -> gr.Blocks:
     on_hub = model.count("/") == 1 and not os.path.exists(model)
     shown = f"[{model}](https://huggingface.co/{model})" if on_hub else f"`{model}`"
     controls = {}
-    with gr.Blocks(title=title) as demo:
+    # gradio deletes each result (and upload) once it is older than AOT_RESULTS_MAX_AGE
+    with gr.Blocks(title=title, delete_cache=delete_cache(server.options.results_max_age)) as demo:
         gr.Markdown(f"# {title}\n{shown} · {server.status}")
         with gr.Row():
             with gr.Column():
@@ -264,8 +266,11 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     with usage_errors(parser):
-        server = start(read_options(parser=parser))
-    ui(server).launch(show_error=True)  # API clients get each error's message, not a generic one
+        options = read_options(parser=parser)
+        port = preflight.serving_port()  # a taken port, or a cache folder that cannot be written, stops
+        preflight.check_cache_writable()  # app.py now, not after minutes of loading and compiling
+        server = start(options)
+    ui(server).launch(show_error=True, server_port=port)  # API clients get each error's message
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ _VERBS = {
     "apply_": "aot.apply",
     "compile_blocks": "aot.export",
     "gpu_model": "aot.replicas",
-    "image_file": "aot.server",
     "load_pipeline": "aot.pipeline",
     "load_pipelines": "aot.replicas",
     "load_saved": "aot.packages",

@@ -137,6 +137,15 @@ class Options:
         default=None,
         metadata=_option("AOT_PUSH", "push the saved packages to this Hub repo id (token: HF_TOKEN) or folder"),
     )
+    results_max_age: int = field(
+        default=3600,
+        metadata=_option(
+            "AOT_RESULTS_MAX_AGE",
+            "seconds a result image is kept in gradio's cache before it is deleted (gradio's delete_cache);"
+            " results of earlier runs are deleted at start",
+            type=int,
+        ),
+    )
     strict: bool = field(
         default=False,
         metadata=_option("AOT_STRICT", "raise instead of compiling when packages from --load cannot be used"),
@@ -242,6 +251,8 @@ class Options:
 
         # Parsed once here (raises ValueError naming the item and the syntax); `lora_specs`, `choice_specs`.
         object.__setattr__(self, "_specs", (tuple(parse(self.lora)), tuple(parse(self.lora_choices))))
+        if self.results_max_age < 1:
+            raise ValueError(f"results_max_age={self.results_max_age}: use a whole number of seconds, at least 1")
         if self.push and not self.save:
             raise ValueError(f"push={self.push!r} needs save: the folder whose packages are pushed (--save DIR)")
 

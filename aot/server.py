@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import random
-import tempfile
 import time
 import typing
 from collections.abc import Iterator
@@ -30,7 +29,6 @@ from typing import Any
 
 import gradio as gr
 import torch
-from gradio.utils import get_upload_folder
 from PIL import Image
 
 from aot import images, lora
@@ -38,6 +36,7 @@ from aot.blocks import Report, tensor_bytes
 from aot.families import controls_sent
 from aot.options import Options
 from aot.replicas import Replicas
+from aot.results import Results
 from aot.target import Target
 from aot.zerogpu_limits import ON_ZEROGPU, size_advice
 
@@ -153,6 +152,7 @@ class Server:
     field's default for this model (`fill`); steps_allowed: the steps a request may ask for, in words;
     edits: an input image is required; loras: what a request may pick ("none" first); status: one
     line on what was compiled and how; labels: each request field's label in refusals.
+    results: where each request's image is written (`results.Results`: earlier runs' are deleted now).
     `gpu_size`: app.py's ZeroGPU card size, for the startup line on what a new worker moves.
     """
 
@@ -188,12 +188,15 @@ class Server:
         self.edits = self.family.image_input == "required"  # an input image must be given; "optional": it may be
         # Counts a prompt's tokens for the truncation note (None: the family names no tokenizer, no note).
         self.tokenizer = getattr(pipe, self.family.tokenizer) if self.family.tokenizer else None
+        if self.family.truncates:  # the request's notes say a prompt was cut; the pipeline's log need not
+            logging.getLogger(type(pipe).__module__).addFilter(drop_truncation_warnings)
         fp8 = [report.compiled.fp8_config if report else None for report in reports]
         first = lora.Adapters(pipe, list(target.choices), fp8[0])  # the LoRAs are read once
         adapters = [first, *(first.for_pipeline(p, f) for p, f in zip(pipes[1:], fp8[1:], strict=True))]
         self.replicas = Replicas(pipes, adapters)
         self.loras = ["none", *first.names]  # what a request can pick (AOT_LORA_CHOICES)
         self.labels = dict(LABELS)
+        self.results = Results()
         if options.compile:
             self.status = reports[0].summary() + (f"; {len(pipes)} replicas" if len(pipes) > 1 else "")
         else:
@@ -398,28 +401,11 @@ def weight_bytes(pipe: Any) -> int:
     return sum(tensor_bytes(c) for c in pipe.components.values() if isinstance(c, torch.nn.Module))
 
 
-def image_file(image: Image.Image, seed: int) -> str:
-    """`image` written as a PNG file of its own in gradio's cache folder; returns its path, which
-    gradio serves as it is (no copy) and keeps like its own outputs (`gr.Blocks(delete_cache=...)`
-    removes old ones). The file name says the seed (what a download is saved as):
-    `seed-7-<random>.png`. A write that fails (a full disk) raises and leaves no file.
-
-    Why not return the PIL image: gradio (6.31.0) saves an output image to
-    `<cache>/<hash of its PNG bytes>/image.png`, truncating and rewriting that file. Two requests
-    that make the same image at once (same prompt and seed: an example clicked twice) share the
-    file, and one rewrites it while the other is downloading it (a client got 589,824 of 892,769
-    bytes: "peer closed connection without sending complete message body").
-    """
-    folder = get_upload_folder()  # where gradio keeps what it serves: GRADIO_TEMP_DIR, or /tmp/gradio
-    os.makedirs(folder, exist_ok=True)
-    handle, path = tempfile.mkstemp(dir=folder, prefix=f"seed-{seed}-", suffix=".png")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            image.save(file, format="PNG")
-    except BaseException:
-        os.unlink(path)
-        raise
-    return path
+def drop_truncation_warnings(record: logging.LogRecord) -> bool:
+    """A logging filter: False for diffusers' "The following part of your input was truncated ..."
+    warning, which quotes the cut text of every long prompt (about 6.5 KB a request: 1 MB of log per
+    400 requests); `Server.prepare` says in the request's notes that the prompt was cut."""
+    return "part of your input was truncated" not in record.getMessage()
 
 
 def fill_short_calls(demo: gr.Blocks, api_name: str) -> None:

@@ -1,9 +1,12 @@
 """The Space: `python app.py` on the tiny pipeline, driven over HTTP by gradio_client and in Chromium."""
 
 import dataclasses
+import errno
 import json
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +17,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, Server
+from conftest import ROOT, TINY, Server, free_port
 from gradio.components.image import ImageData
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
@@ -24,7 +27,8 @@ import app
 from aot import images
 from aot.options import Options
 from aot.pipeline import load_pipeline
-from aot.server import guard, image_file
+from aot.results import Results
+from aot.server import drop_truncation_warnings, guard
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +99,7 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
     other, _, _ = generate(client, seed=4)
     assert np.array_equal(first, second)
     # ... in a file of its own: gradio's one file per image hash was rewritten while another request
-    # of the same image downloaded it (aot.server.image_file)
+    # of the same image downloaded it (aot.results.Results.write)
     a, b = (client.predict("a red cat", 3, False, 512, 768, 2, 3.5, api_name="/generate")[0] for _ in "ab")
     assert Path(a).name != Path(b).name and Path(a).name.startswith("seed-3-")
     assert not np.array_equal(first, other)
@@ -105,14 +109,17 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
 
 def test_each_result_is_a_whole_png_of_its_own_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path))  # gradio's cache folder, where it serves from
+    results = Results()
     image = Image.new("RGB", (48, 32), (200, 10, 10))
-    first, second = image_file(image, 7), image_file(image, 7)
-    assert first != second and Path(first).parent == Path(second).parent == tmp_path
+    first, second = results.write(image, 7), results.write(image, 7)
+    assert first != second and Path(first).parent == Path(second).parent == results.folder
+    assert results.folder.parent.parent == tmp_path
     assert Path(first).name.startswith("seed-7-") and Path(first).suffix == ".png"
     assert np.array_equal(np.asarray(Image.open(second)), np.asarray(image))
     with pytest.raises(OSError, match="cannot write mode CMYK as PNG"):
-        image_file(Image.new("CMYK", (4, 4)), 1)
-    assert sorted(tmp_path.iterdir()) == sorted(map(Path, [first, second])), "a half-written file was left"
+        results.write(Image.new("CMYK", (4, 4)), 1)
+    written = sorted(p.name for p in results.folder.iterdir() if p.name != ".lock")
+    assert written == sorted(Path(p).name for p in (first, second)), "a half-written file was left"
 
 
 @pytest.mark.parametrize(
@@ -362,12 +369,90 @@ def test_an_edit_models_size_sliders_follow_an_upload_and_the_last_seed_can_be_r
 def test_a_setting_that_cannot_work_stops_app_py_with_one_line(flags, message, monkeypatch, capsys):
     # app.main as `python app.py` runs it (test_options.py runs app.py itself, in a process of its own).
     monkeypatch.setenv("MODEL_ID", TINY)
+    monkeypatch.setenv("GRADIO_SERVER_PORT", str(free_port()))
     monkeypatch.setattr(sys, "argv", ["app.py", *flags])
     with pytest.raises(SystemExit) as exited:
         app.main()
     stderr = capsys.readouterr().err
     assert exited.value.code == 2 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith(message), stderr[-3000:]
+
+
+def test_a_taken_port_or_an_unwritable_cache_stops_app_py_before_anything_loads(tmp_path):
+    # Before: gradio moved to the next port without a word (a Space's health check then fails), and
+    # an unwritable GRADIO_TEMP_DIR gave a 41-line traceback at launch, after the whole startup.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = {
+            f"port {port} on 127.0.0.1 is taken by another process: stop it, or set GRADIO_SERVER_PORT to a free "
+            "port": {"GRADIO_SERVER_PORT": str(port)},
+            f"gradio's cache folder {blocked}/gradio is not writable (Not a directory): results and uploads go "
+            "there; set GRADIO_TEMP_DIR to a writable folder": {"GRADIO_TEMP_DIR": str(blocked / "gradio")},
+        }
+        for message, env in cases.items():
+            env = {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(free_port()), **env}
+            started = time.monotonic()
+            done = subprocess.run(
+                [sys.executable, "app.py"],
+                cwd=ROOT,
+                env={**os.environ, "MODEL_ID": TINY, **env},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+            assert done.stderr.strip().splitlines()[-1] == f"app.py: error: {message}", done.stderr[-3000:]
+            assert "Loading pipeline components" not in done.stderr, "the pipeline was loaded first"
+            assert time.monotonic() - started < 60
+
+
+def test_a_save_that_fills_the_disk_is_a_warning_and_the_space_serves(saved, tmp_path, monkeypatch, caplog):
+    # Before: AOT_SAVE on a full disk ended app.py with "[Errno 28] No space left on device" after the
+    # whole startup: no path named, the packages lost, nothing served. A writer that raises ENOSPC
+    # stands in for the full disk (no tmpfs can be mounted here).
+    from aot import packages
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packages, "_write", full_disk)
+    target = tmp_path / "packages"
+    with caplog.at_level(logging.WARNING, logger="app"):
+        server = app.start(Options(model=TINY, device="cpu", load=str(saved), save=str(target)))
+    said = f"packages not saved to {target} ([Errno 28] No space left on device); serving them anyway"
+    assert said in caplog.text, caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".packages.lock"], "a half-written save was left"
+    request = app.Request("a red cat", seed=1, randomize_seed=False, width=512, height=512, num_inference_steps=1)
+    request, seed, _ = server.prepare(server.fill(request))
+    assert server.infer(0, request, seed).size == (512, 512)
+
+
+def test_a_long_prompts_cut_text_stays_out_of_the_log_and_the_notes_say_it_was_cut():
+    # Before: diffusers' truncation warning quoted the cut text of every long prompt (about 6.5 KB
+    # each, 1 MB of log per 400 requests), though the request's notes already said it was cut.
+    server = app.start(Options(model=TINY, device="cpu", compile=False))
+    pipeline_log = logging.getLogger(type(server.replicas.pipes[0]).__module__)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    prompt = " ".join(f"word{i}" for i in range(600))
+    request = app.Request(prompt, seed=1, randomize_seed=False, width=512, height=512, num_inference_steps=1)
+    request, seed, notes = server.prepare(server.fill(request))
+    assert "The prompt is longer than 512 text tokens; the rest was ignored." in notes
+    pipeline_log.addHandler(handler)
+    try:
+        server.infer(0, request, seed)
+        assert records == [], [r.getMessage()[:200] for r in records]
+        pipeline_log.removeFilter(drop_truncation_warnings)  # what the log got before
+        server.infer(0, request, seed)
+    finally:
+        pipeline_log.removeHandler(handler)
+        pipeline_log.addFilter(drop_truncation_warnings)
+    assert any("word599" in r.getMessage() for r in records), "the stand-in for 'before' logged no cut text"
 
 
 def test_a_local_folder_that_is_not_there_is_named_with_the_tiny_pipelines(monkeypatch):

@@ -35,7 +35,7 @@ def test_one_compile_serves_both_replicas(two_cpu_replicas):
 
 def test_concurrent_requests_run_on_both_replicas_and_get_their_own_images(two_cpu_replicas):
     # Each seed twice at the same moment: two requests with the same image each get it whole (each
-    # writes a file of its own: space.image_file; gradio's one file per image was cut off meanwhile).
+    # writes a file of its own: results.Results.write; gradio's one file per image was cut off meanwhile).
     url, seeds = two_cpu_replicas.url, [1, 2]
     alone = {seed: request(url, seed) for seed in seeds}  # one at a time
     with ThreadPoolExecutor(4) as pool:
