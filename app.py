@@ -33,6 +33,7 @@ from aot import (
     Options,
     Server,
     apply_,
+    cancel,
     gpu_model,
     images,
     load_pipelines,
@@ -132,7 +133,7 @@ def start(options: Options, pipe=None) -> Server:
     return SERVER
 
 
-def gpu_seconds(replica: int, request: Request, seed: int) -> int:
+def gpu_seconds(replica: int, request: Request, seed: int, stop: int) -> int:
     """ZeroGPU duration of one request, in seconds: a new worker's setup, a LoRA switch where
     LoRAs are offered, and the steps, each step's time scaled by the image tokens the blocks see;
     at most `MAX_GPU_SECONDS` (63 s at 1024x1024 and 28 steps). Takes `infer`'s arguments, as
@@ -144,20 +145,29 @@ def gpu_seconds(replica: int, request: Request, seed: int) -> int:
 
 @spaces.GPU(duration=gpu_seconds, size=GPU_SIZE)
 @zerogpu.worker  # the worker's exceptions, and the CUDA graph shapes it checked, come back whole
-def infer(replica: int, request: Request, seed: int) -> Image.Image:
-    """(On the GPU.) One image for `request` (prepared) on replica `replica`. On ZeroGPU a forked
-    worker runs it: the request is pickled, the pipelines reach it through fork (`SERVER`)."""
-    return SERVER.infer(replica, request, seed)
+def infer(replica: int, request: Request, seed: int, stop: int) -> Image.Image:
+    """(On the GPU.) One image for `request` (prepared) on replica `replica`, ending at the next step
+    once stop flag `stop` is raised (aot/cancel.py). On ZeroGPU a forked worker runs it: the request
+    is pickled, the pipelines reach it through fork (`SERVER`)."""
+    return SERVER.infer(replica, request, seed, stop)
 
 
-def generate(*values):
-    """/generate: one value per `Request` field, in order (left-out ones: the model's defaults);
-    returns (PNG file, seed used, notes). A request that cannot be served raises `gr.Error`."""
-    request = SERVER.fill(Request(*values[: len(FIELDS)]))  # gradio adds its progress tracker last
-    request, seed, notes = SERVER.prepare(request)
+def run(values: tuple, stop: int) -> tuple[str | None, int, str]:
+    """One request from its values (one per `Request` field, in order; left out: the model's
+    defaults) to (PNG file, seed used, notes); no file if it was stopped. Raises `gr.Error` for a
+    request that cannot be served. In a worker thread (`generate`)."""
+    request, seed, notes = SERVER.prepare(SERVER.fill(Request(*values)))
     with SERVER.replica(request) as replica:
-        image = infer(replica, request, seed)
+        image = infer(replica, request, seed, stop)
+    if cancel.stopped(stop):
+        return None, seed, "Stopped: the request was cancelled."  # nobody is waiting for it
     return SERVER.results.write(image, seed), seed, notes  # a PNG of its own, deleted after AOT_RESULTS_MAX_AGE
+
+
+async def generate(*values):
+    """/generate: `run` in a worker thread; a cancelled request (gradio's cancel) stops at its next
+    denoising step and writes nothing (`cancel.cancellable`)."""
+    return await cancel.cancellable(run, values[: len(FIELDS)])  # gradio adds its progress tracker last
 
 
 # gradio names the API's parameters after generate's (Request's fields), and shows the pipeline's

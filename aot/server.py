@@ -31,7 +31,7 @@ import gradio as gr
 import torch
 from PIL import Image
 
-from aot import images, lora
+from aot import cancel, images, lora
 from aot.blocks import Report, tensor_bytes
 from aot.families import controls_sent
 from aot.options import Options
@@ -382,16 +382,18 @@ class Server:
         step, lo, hi = self.resolution.step, self.resolution.min_side, self.resolution.max_side
         return images.follow_aspect(image.size, area, step, lo, hi)
 
-    def infer(self, replica: int, request: Any, seed: int) -> Image.Image:
+    def infer(self, replica: int, request: Any, seed: int, stop: int = -1) -> Image.Image:
         """(On the GPU.) One image from replica number `replica` for `request` (prepared) with the
-        request's LoRA ("none": the base weights). On ZeroGPU this runs in a forked worker: the
-        request (small; its input image a small PIL image) was pickled, the pipelines reach it
+        request's LoRA ("none": the base weights); once stop flag `stop` is raised the pipeline
+        skips its remaining steps (`cancel.on_step_end`). On ZeroGPU this runs in a forked worker:
+        the request (small; its input image a small PIL image) was pickled, the pipelines reach it
         through fork (this object), never as arguments; so do their LoRAs, written into the
         worker's weights in place."""
         pipe = self.replicas.pipes[replica]
         self.replicas.adapters[replica].use(None if request.lora == "none" else request.lora)
         generator = torch.Generator(device=pipe.device).manual_seed(seed)
-        return pipe(**self.family.call(pipe, request), generator=generator).images[0]
+        call = self.family.call(pipe, request)
+        return pipe(**call, generator=generator, callback_on_step_end=cancel.on_step_end(stop)).images[0]
 
 
 def weight_bytes(pipe: Any) -> int:

@@ -524,7 +524,7 @@ logging.basicConfig(level=logging.INFO)
 checks = [app.SERVER is None, names.index("spaces") < names.index("torch")]
 os.environ["MODEL_ID"] = {TINY!r}
 server = app.start(app.read_options([]))
-print(json.dumps([*checks, server.status, app.generate("a cat", 1, False, 512, 512, 1)[1]]))
+print(json.dumps([*checks, server.status, app.run(("a cat", 1, False, 512, 512, 1), -1)[1]]))
 """
     env = {**os.environ, "MODEL_ID": "no/such-model", "AOT_COMPILE": "0"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     without CUDA graphs   the same compiled step called plainly, and the graph replay's relative
                  error against it on inputs other than the captured ones
     s / image    one generation: text encoders + all steps + VAE decode (warm: + writing the PNG
-                 file app.generate returns)
+                 file app.run returns)
     ready s      compile: regional compile from scratch (* = second compile in its process);
                  warm start: load + verify + apply the saved packages and run the first step
     ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process where the
@@ -23,7 +23,7 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
 `warm` is the Space itself: app.py started with the packages `all` saved (AOT_LOAD), then
-app.generate() on real prompts. `zerogpu` is the Space as ZeroGPU runs it, under
+app.run() on real prompts. `zerogpu` is the Space as ZeroGPU runs it, under
 zerogpu_harness.py (the real spaces package, forked GPU workers, weights packed to disk at launch):
 ready s is the startup compile in a worker plus applying its packages here; then /generate through
 gradio_client: the first request on a new worker, warm requests, and the step as the worker runs it.
@@ -546,7 +546,7 @@ def worker(names: list[str], args) -> None:
 
 
 def warm_start(args) -> dict:
-    """app.py as a Space starts it with saved packages (AOT_LOAD), then app.generate on real prompts.
+    """app.py as a Space starts it with saved packages (AOT_LOAD), then app.run on real prompts.
 
     load_s: `app.start` once its libraries are imported: load and verify the packages, apply them
     to the blocks, build the UI. first_step_s: the first step at the bench size, which binds every
@@ -576,12 +576,12 @@ def warm_start(args) -> dict:
     kwargs = step_inputs(pipe, args.size)
     with torch.no_grad():
         row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
-    app.generate(PROMPTS[1], 1, False, args.size, args.size, 2, 3.5)  # warm up text encoders and VAE
+    app.run((PROMPTS[1], 1, False, args.size, args.size, 2, 3.5), -1)  # warm up text encoders and VAE
     reset_peak()
     times = []
     for seed, prompt in enumerate(PROMPTS):
         start = time.perf_counter()
-        path, _, _ = app.generate(prompt, seed, False, args.size, args.size, args.steps, 3.5)
+        path, _, _ = app.run((prompt, seed, False, args.size, args.size, args.steps, 3.5), -1)
         sync()
         times.append(time.perf_counter() - start)
     row["s_per_image"] = statistics.median(times)
@@ -662,7 +662,7 @@ def zerogpu_start(args, name: str) -> dict:
     packs the weights to disk. new_worker_s: /generate on a new worker (the harness reclaims the
     worker before each, then the GPU is let go idle: `wait_for_idle_gpu`, idle_wait_s the median
     wait), median of `NEW_WORKERS`, and of it, in this process: generate_s
-    (`app.generate`: the request's checks and the GPU call) and infer_s (`app.infer`, the GPU call: asking for
+    (`app.run`: the request's checks and the GPU call) and infer_s (`app.infer`, the GPU call: asking for
     a GPU, the worker's start and call, the result's way back); s_per_image: warm requests (the worker reused);
     step_ms: (warm request - request of 2 steps) / (steps - 2). moved_gb: the weights a new worker
     moves (`server.weight_bytes`). The worker's own breakdown comes from its `zerogpu-call` log
@@ -692,9 +692,8 @@ def zerogpu_start(args, name: str) -> dict:
     import app
 
     server = app.start(Options.from_env(), pipe)
-    # this process's part of a request: app.generate (the page's function, wrapped before the page is
-    # built) and the GPU call it makes, app.infer
-    served = {"generate": timed(app, "generate"), "infer": timed(app, "infer")}
+    # this process's part of a request: app.run (what /generate runs in its thread) and its GPU call
+    served = {"generate": timed(app, "run"), "infer": timed(app, "infer")}
     demo = app.ui(server)
     row["ready_s"] = time.perf_counter() - start
     row["decisions"] = [server.status]
