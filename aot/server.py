@@ -196,7 +196,7 @@ class Server:
         self.replicas = Replicas(pipes, adapters)
         self.loras = ["none", *first.names]  # what a request can pick (AOT_LORA_CHOICES)
         self.labels = dict(LABELS)
-        self.results = Results()
+        self.results = Results(options.results_max_age)
         if options.compile:
             self.status = reports[0].summary() + (f"; {len(pipes)} replicas" if len(pipes) > 1 else "")
         else:

@@ -109,7 +109,7 @@ def test_same_seed_same_image_and_random_seed_is_reported(client):
 
 def test_each_result_is_a_whole_png_of_its_own_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path))  # gradio's cache folder, where it serves from
-    results = Results()
+    results = Results(3600)
     image = Image.new("RGB", (48, 32), (200, 10, 10))
     first, second = results.write(image, 7), results.write(image, 7)
     assert first != second and Path(first).parent == Path(second).parent == results.folder
@@ -168,8 +168,9 @@ def raw_generate(server: str, values: list) -> tuple[str, str]:
         event = json.loads(answer.read())["event_id"]
     with urllib.request.urlopen(f"{server}gradio_api/call/generate/{event}", timeout=300) as answer:
         lines = answer.read().decode().splitlines()
-    kind = next(line.split(": ", 1)[1] for line in lines if line.startswith("event: "))
-    return kind, next(line.split(": ", 1)[1] for line in lines if line.startswith("data: "))
+    # the stream's last event is the result; heartbeats come before it while a request runs long
+    events = [line.split(": ", 1)[1] for line in lines if line.startswith("event: ")]
+    return events[-1], [line.split(": ", 1)[1] for line in lines if line.startswith("data: ")][-1]
 
 
 @pytest.mark.parametrize(

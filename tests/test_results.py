@@ -2,6 +2,7 @@
 earlier run left is removed at start, told by a lock rather than a PID."""
 
 import errno
+import os
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT, TINY, Server
+from gradio.utils import is_static_file
 from gradio_client import Client
 from PIL import Image
 
@@ -23,7 +25,7 @@ def pngs(folder: Path) -> list[Path]:
 
 def test_a_write_that_fills_the_disk_leaves_nothing_and_the_next_one_works(tmp_path, monkeypatch):
     # A writer that raises ENOSPC halfway, as a full disk does (no tmpfs can be mounted here).
-    results = Results(tmp_path)
+    results = Results(3600, tmp_path)
     save = Image.Image.save
 
     def fills_up(image, file, *args, **kwargs):
@@ -48,7 +50,7 @@ def test_an_earlier_runs_results_go_at_start_and_a_living_ones_stay(tmp_path):
     (dead / LOCK_NAME).touch()  # its process is gone: nobody holds the lock (its PID says nothing)
     (dead / ".writing-x.png").write_bytes(b"half")  # killed mid-write
     locks.hold(living / LOCK_NAME)  # as the living process holds its own
-    results = Results(tmp_path)
+    results = Results(3600, tmp_path)
     assert results.swept == [dead] and not dead.exists()
     assert (living / "seed-1-abc.png").exists(), "a living process's results were deleted"
     assert (creating / "seed-1-abc.png").exists(), "a folder still being made was deleted"
@@ -61,20 +63,29 @@ import os, signal, sys
 sys.path.insert(0, {str(ROOT)!r})
 from PIL import Image
 from aot.results import Results
-print(Results({str(tmp_path)!r}).write(Image.new("RGB", (8, 8)), 3), flush=True)
+print(Results(3600, {str(tmp_path)!r}).write(Image.new("RGB", (8, 8)), 3), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode < 0, done.stderr[-2000:]
     left = Path(done.stdout.strip())
     assert left.exists()
-    Results(tmp_path)
+    Results(3600, tmp_path)
     assert not left.exists() and not left.parent.exists()
 
 
 @pytest.mark.parametrize(("age", "expected"), [(5, (5, 5)), (3600, (60, 3600))])
 def test_the_sweep_runs_often_enough_for_the_age(age, expected):
     assert delete_cache(age) == expected
+
+
+def test_results_older_than_the_age_are_deleted_and_younger_ones_kept(tmp_path):
+    results = Results(3600, tmp_path)
+    old, young = (results.write(Image.new("RGB", (8, 8)), seed) for seed in (1, 2))
+    os.utime(old, (time.time() - 120, time.time() - 120))
+    assert results.delete_older_than(60) == 1
+    assert not os.path.exists(old) and os.path.exists(young)
+    assert is_static_file(young), "gradio would copy it into its cache and track it"
 
 
 def test_results_older_than_the_max_age_are_deleted_while_the_space_serves(tmp_path):

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     app, url, cache = serve(work, args.max_age)
     rng, lock = random.Random(0), threading.Lock()
-    sent, outcomes, rows = 0, {"served": 0, "cancelled": 0, "failed": 0}, []
+    sent, outcomes, rows, failures = 0, {"served": 0, "cancelled": 0, "failed": 0}, [], []
     started = time.monotonic()
 
     def checkpoint(done: int) -> None:
@@ -127,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     client.predict(*values, api_name="/generate")
                     outcome = "served"
-            except Exception:  # a refused or failed request counts; the soak goes on
+            except Exception as exc:  # a refused or failed request counts; the soak goes on
                 outcome = "failed"
+                with lock:
+                    failures.append(f"request {number} {values[1:]}: {type(exc).__name__}: {exc}"[:300])
             with lock:
                 outcomes[outcome] += 1
                 if number % args.every == 0:
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = [f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
-    print("\n".join(lines))
+    print("\n".join(lines + failures[:20]))
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
     line = json.dumps(
         {
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "clients": args.clients,
             "max_age_s": args.max_age,
             "rows": rows,
+            "failures": failures[:20],
         }
     )
     print(line)
