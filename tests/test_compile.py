@@ -34,7 +34,7 @@ def compiled_blocks(pipe) -> list[CompiledBlock]:
 
 @pytest.mark.parametrize("size", [(512, 512), (1536, 1536), (768, 1344)], ids=["min", "max", "non-square"])
 def test_compiled_pipeline_matches_eager(eager_pipe, compiled_pipe, size):
-    # Captured at 1024x1024: these sizes run the same dynamic graph (no specialization, C02/C06).
+    # Captured at 1024x1024: these sizes run the same dynamic graph (no specialization).
     expected = generate(eager_pipe, *size)
     actual = generate(compiled_pipe, *size)
     assert actual.shape == (1, 3, *size)
@@ -95,7 +95,7 @@ def test_size_outside_the_range_is_refused_before_any_compiled_call(compiled_pip
 
 
 def test_batch_other_than_compiled_is_refused_then_next_request_works(compiled_pipe):
-    # C04: AOTI checks no input shapes itself; a batch of 2 against a batch-1 package must not run.
+    # AOTI checks no input shapes itself; a batch of 2 against a batch-1 package must not run.
     with pytest.raises(ValueError, match=r"\(2, 1024, 32\).*batch size and text length are fixed"):
         generate(compiled_pipe, 512, 512, num_images_per_prompt=2)
     assert generate(compiled_pipe, 512, 512).shape == (1, 3, 512, 512)
@@ -110,7 +110,7 @@ def test_arguments_other_than_captured_are_refused(compiled_pipe):
 
 
 def test_export_spec_covers_every_captured_input(compiled):
-    # C08: one entry per captured kwarg, a tuple of per-tensor specs for the rotary embedding.
+    # one entry per captured kwarg, a tuple of per-tensor specs for the rotary embedding.
     contract = compiled.packages["FluxTransformerBlock"].contract
     kwargs = _block_inputs(load_tiny(), "FluxTransformerBlock")
     spec = dynamic_shapes(contract, kwargs)
@@ -128,7 +128,7 @@ def test_export_spec_covers_every_captured_input(compiled):
     assert spec["encoder_hidden_states"] is None and spec["temb"] is None
     assert spec["joint_attention_kwargs"] == kwargs["joint_attention_kwargs"] == {}  # no tensors: nothing dynamic
     image = spec["hidden_states"][1]
-    assert (image.min, image.max) == Resolution(512, 1536).token_range  # the Dim comes from the rule (C06)
+    assert (image.min, image.max) == Resolution(512, 1536).token_range  # the Dim comes from the rule
     text = kwargs["encoder_hidden_states"].shape[1]
     assert [str(s[0]) for s in spec["image_rotary_emb"]] == [f"image_tokens + {text}"] * 2
 
@@ -181,7 +181,7 @@ def test_pipeline_without_repeated_blocks_gets_a_clear_error(eager_pipe):
 
 
 def test_packages_applied_to_other_weights_fail_at_apply_not_at_call(compiled):
-    # C16: a weights-less package bound to tensors of other shapes would read out of bounds.
+    # a weights-less package bound to tensors of other shapes would read out of bounds.
     pipe = load_tiny()
     config = dict(pipe.transformer.config)
     config["num_attention_heads"] = 4
@@ -192,7 +192,7 @@ def test_packages_applied_to_other_weights_fail_at_apply_not_at_call(compiled):
 
 
 def test_cpu_offload_hooks_are_refused(compiled):
-    # C24: offload moves weights between calls; compiled blocks bind to their memory once.
+    # offload moves weights between calls; compiled blocks bind to their memory once.
     pipe = load_tiny()
     pipe.enable_model_cpu_offload(device="cpu")
     with pytest.raises(ValueError, match="offload hooks"):

@@ -113,7 +113,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
 
 
 def test_fp32_pipeline_falls_back_to_sdpa():
-    # C22: FlashAttention has no fp32 kernels; auto must say so instead of crashing in the kernel.
+    # FlashAttention has no fp32 kernels; auto must say so instead of crashing in the kernel.
     from aot.fast_paths import resolve_attention
 
     pipe = wide_pipeline(torch.float32)

@@ -149,7 +149,7 @@ def test_explicit_request_that_cannot_run_fails_before_any_work():
 
 def capability_checks_pass(monkeypatch, fa3: bool = True):
     """Stand-in for a GPU whose capability checks pass (FA3 loads, FP8 may run): the CPU then really
-    runs each trial, and the FA3 and FP8 kernels really fail them (C12, C20, C21). The tiny model's
+    runs each trial, and the FA3 and FP8 kernels really fail them. The tiny model's
     layers are narrower than FP8_MIN_FEATURES: lowered so that FP8 is attempted."""
     from aot import fast_paths
 
