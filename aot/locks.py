@@ -80,9 +80,3 @@ def held(path: str | os.PathLike) -> bool:
     return False
 
 
-def release(path: str | os.PathLike) -> None:
-    """Let go of a lock `hold` took (nothing if it holds none)."""
-    handle = _HELD.pop(os.fspath(path), None)
-    if handle is not None:
-        os.close(handle)
-

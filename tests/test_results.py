@@ -49,12 +49,11 @@ def test_an_earlier_runs_results_go_at_start_and_a_living_ones_stay(tmp_path):
         (folder / "seed-1-abc.png").write_bytes(b"png")
     (dead / LOCK_NAME).touch()  # its process is gone: nobody holds the lock (its PID says nothing)
     (dead / ".writing-x.png").write_bytes(b"half")  # killed mid-write
-    locks.hold(living / LOCK_NAME)  # as the living process holds its own
-    results = Results(3600, tmp_path)
+    with locks.holding(living / LOCK_NAME):  # as the living process holds its own
+        results = Results(3600, tmp_path)
     assert results.swept == [dead] and not dead.exists()
     assert (living / "seed-1-abc.png").exists(), "a living process's results were deleted"
     assert (creating / "seed-1-abc.png").exists(), "a folder still being made was deleted"
-    locks.release(living / LOCK_NAME)
 
 
 def test_a_killed_process_leaves_its_results_to_the_next(tmp_path):
