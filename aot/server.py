@@ -92,7 +92,9 @@ def guard(component: gr.components.Component, allowed: str, before: Any = None) 
             if problem:
                 raise refuse(label, f"the uploaded file {problem}", f"use {allowed}")
         elif isinstance(component, gr.Slider):
-            problem = _number_problem(payload, component)
+            problem = number_problem(
+                payload, component.minimum, component.maximum, component.precision == 0, component.step
+            )
             if problem:
                 raise refuse(label, f"{_shown(payload)} {problem}", f"use {allowed}")
         elif isinstance(component, gr.Dropdown):
@@ -108,18 +110,18 @@ def guard(component: gr.components.Component, allowed: str, before: Any = None) 
     return component
 
 
-def _number_problem(value: Any, slider: gr.Slider) -> str | None:
-    """Why `value` is not one of `slider`'s values, or None."""
+def number_problem(value: Any, low: float, high: float, whole: bool, step: float = 1) -> str | None:
+    """Why `value` is not a number from `low` to `high` (a whole one where `whole`, on the grid of
+    whole `step`s from `low`), or None: the one rule of the widgets (`guard`) and `Server.check`."""
     if not _finite_number(value):
         return "is not a number"
-    if slider.precision == 0 and value != int(value):
+    if whole and value != int(value):
         return "is not a whole number"
-    if value < slider.minimum:
-        return f"is below {slider.minimum:g}"
-    if value > slider.maximum:
-        return f"is above {slider.maximum:g}"
-    step = slider.step
-    if float(step).is_integer() and step > 1 and (value - slider.minimum) % step:
+    if value < low:
+        return f"is below {low:g}"
+    if value > high:
+        return f"is above {high:g}"
+    if float(step).is_integer() and step > 1 and (value - low) % step:
         return f"is not a multiple of {step:g}"
     return None
 
@@ -256,25 +258,18 @@ class Server:
             raise refuse(self.label("image"), f"{_shown(image)} is not an image", f"send {images.ALLOWED}")
         lo, hi, most = self.resolution.min_side, self.resolution.max_side, self.limits
         guidance = f"a number from 0 to {most.max_guidance:g}"
-        numbers = {
-            "width": (request.width, lo, hi, self.resolution.sides),
-            "height": (request.height, lo, hi, self.resolution.sides),
-            "num_inference_steps": (request.num_inference_steps, family.min_steps, most.max_steps, self.steps_allowed),
-            "seed": (request.seed, 0, most.max_seed, f"a whole number from 0 to {most.max_seed}"),
-            "guidance_scale": (request.guidance_scale, 0, most.max_guidance, guidance),
+        step, steps = self.resolution.step, self.steps_allowed
+        numbers = {  # value, low, high, whole, grid step, what is allowed
+            "width": (request.width, lo, hi, True, step, self.resolution.sides),
+            "height": (request.height, lo, hi, True, step, self.resolution.sides),
+            "num_inference_steps": (request.num_inference_steps, family.min_steps, most.max_steps, True, 1, steps),
+            "seed": (request.seed, 0, most.max_seed, True, 1, f"a whole number from 0 to {most.max_seed}"),
+            "guidance_scale": (request.guidance_scale, 0, most.max_guidance, False, 1, guidance),
         }
-        for name, (value, low, high, allowed) in numbers.items():
-            if not _finite_number(value):
-                problem = "is not a number"
-            elif name != "guidance_scale" and value != int(value):
-                problem = "is not a whole number"
-            elif not low <= value <= high:
-                problem = f"is {'below' if value < low else 'above'} {low if value < low else high:g}"
-            elif name in ("width", "height") and int(value) % self.resolution.step:
-                problem = f"is not a multiple of {self.resolution.step}"
-            else:
-                continue
-            raise refuse(self.label(name), f"{_shown(value)} {problem}", f"use {allowed}")
+        for name, (value, low, high, whole, grid, allowed) in numbers.items():
+            problem = number_problem(value, low, high, whole, grid)
+            if problem:
+                raise refuse(self.label(name), f"{_shown(value)} {problem}", f"use {allowed}")
         if not isinstance(request.randomize_seed, bool):
             shown = _shown(request.randomize_seed)
             raise refuse(self.label("randomize_seed"), f"{shown} is not true or false", "use true or false")
