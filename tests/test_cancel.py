@@ -63,9 +63,10 @@ def test_a_cancelled_request_stops_at_its_next_step_and_writes_nothing(zerogpu, 
             time.sleep(0.05)
         time.sleep(min(1.0, whole / 10))  # a few steps in
         assert job.cancel()
-        deadline = time.monotonic() + whole
+        deadline = time.monotonic() + 2 * whole + 30  # a loaded machine: waiting costs nothing when it is fast
         while len(served_seconds(app.text())) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert len(served_seconds(app.text())) == 2, app.text()[-3000:]
         first, cancelled = served_seconds(app.text())
         assert cancelled < first / 2, f"the cancelled request ran {cancelled:.1f} s of {first:.1f} s"
         assert sorted((cache / ROOT_NAME).rglob("*.png")) == results, "the cancelled request wrote its image"
