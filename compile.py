@@ -12,7 +12,7 @@ the real card, where the trials run; the pipeline reaches it through the closure
 an argument, and only the packages and the decisions cross back. Outside ZeroGPU it is a plain call.
 
 Every `auto` fast path is a trial (export, compile, load, parity against eager) in the order the
-GPU's plan gives (`fast_paths.PLANS`, keyed by compute capability): FA3 -> SDPA, FP8 per row ->
+GPU's plan gives (`plans.PLANS`, keyed by compute capability): FA3 -> SDPA, FP8 per row ->
 per tensor -> bf16, each fallback with its reason in the report; only the plain bf16 SDPA block
 has no fallback. torch's AOTI API is used directly (`torch.export.export`,
 `torch._inductor.aoti_compile_and_package`, the package loader, `load_constants`) rather than the
@@ -48,9 +48,9 @@ from aot import (
     text_fp8,
     zerogpu,
 )
+from aot.destinations import check_push_target, check_save_target
 from aot.export import LONG_PROMPT
 from aot.options import usage_errors
-from aot.packages import check_push_target, check_save_target
 
 log = logging.getLogger("compile")
 
@@ -60,7 +60,7 @@ def compile_transformer(pipe: Any, options: Options, gpu_size: str | None = None
 
     In one `@spaces.GPU(duration=1500)` call (a ZeroGPU worker, on the card that will serve): the
     text encoders' FP8 trial (`AOT_TEXT_FP8`), the GPU's plan of trials resolved once (attention,
-    FP8, CUDA graphs: `fast_paths.Trials`), then the verified packages of `options.load`, or
+    FP8, CUDA graphs: `plans.Trials`), then the verified packages of `options.load`, or
     capture + export + compile (`export.compile_blocks`). Nothing is applied or saved here:
     `aot.apply_(pipe, compiled)`, `aot.save_and_push(compiled, options)`.
 
@@ -90,7 +90,7 @@ def compile_transformer(pipe: Any, options: Options, gpu_size: str | None = None
         text = text_fp8.trial_(pipe, LONG_PROMPT, options.text_fp8)  # first: it holds bf16 beside FP8 for a moment
         trials = Trials.resolve(options, pipe.transformer)  # this card's plan, each fast path with its reason
         compiled = load_saved(options, pipe, target, trials) if options.load else None
-        compiled = compiled or compile_blocks(pipe, options, target, trials)
+        compiled = compiled or compile_blocks(pipe, target, trials)
         return dataclasses.replace(compiled, text_fp8=text, graphs=trials.graphs)
 
     return compile_on_gpu()

@@ -56,12 +56,12 @@ def on_step_end(index: int) -> Callable[[Any, int, Any, dict], dict]:
     """A diffusers `callback_on_step_end` that interrupts the pipeline once flag `index` is raised:
     its loop skips the steps left (`pipe.interrupt`), in this process or a forked GPU worker."""
 
-    def check(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+    def interrupt_if_stopped(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
         if stopped(index):
             pipe._interrupt = True
         return tensors
 
-    return check
+    return interrupt_if_stopped
 
 
 async def cancellable(fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,7 +1,7 @@
 """capture -> export -> compile: one weights-less AOTInductor package per repeated block class.
 
-`compile_blocks(pipe)` walks the GPU's plan (`fast_paths.PLANS`): each attention kernel and FP8
-granularity is a trial (export, compile, load, parity against eager) that falls back to the next
+`compile_blocks(pipe, target, trials)` walks this GPU's `Trials` (plans.py): each attention kernel
+and FP8 granularity is a trial (export, compile, load, parity against eager) that falls back to the next
 with its reason; only the plain bf16 SDPA block has no fallback.
 """
 
@@ -21,32 +21,16 @@ import torch
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from aot import native
-from aot.blocks import (
-    BlockPackage,
-    Call,
-    Compiled,
-    Contract,
-    bind,
-    contract_from_captures,
-    forward_signature,
-    rel_error,
-    repeated_blocks,
-)
+from aot import portability
+from aot.blocks import forward_signature, rel_error, repeated_blocks
+from aot.compiled import BlockPackage, Compiled
+from aot.contract import CapturedCall, Contract, contract_from_captures
 from aot.families import Family, family
-from aot.fast_paths import (
-    FP8_MAX_REL_ERROR,
-    FP8_MIN_FEATURES,
-    Decision,
-    Trials,
-    brief,
-    fewest_rows,
-    fp8_config,
-    quantize_block_,
-)
-from aot.options import Options
+from aot.fingerprint import fingerprint
+from aot.fp8 import FP8_MAX_REL_ERROR, FP8_MIN_FEATURES, fewest_rows, fp8_config, quantize_block_
 from aot.overlap import overlapped
-from aot.packages import fingerprint
+from aot.plans import Trials, Walk, brief
+from aot.runner import bind
 from aot.target import Target
 
 log = logging.getLogger("compile")
@@ -62,7 +46,7 @@ LONG_PROMPT = "a photo of a red fox in fresh snow, morning light, " * 4
 # The key under which `compile_blocks` captures the transformer's own call (beside its blocks').
 TRANSFORMER = "<transformer>"
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
-# No C++ build flag: the precompiled header is built ahead outside these (`native.precompile_headers`).
+# No C++ build flag: the precompiled header is built ahead outside these (`portability.precompile_headers`).
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
     # Store a pointwise result that is read more than once when it takes more than 16 ops,
@@ -83,7 +67,7 @@ class Captured(NamedTuple):
     inputs: list[dict[str, Any]]  # its captured calls' keyword arguments; exported on the first
     contract: Contract
     references: list[Any]  # the eager block's outputs on `inputs`
-    rows: dict[str, int]  # each linear layer's fewest input rows in those calls (`fast_paths.fewest_rows`)
+    rows: dict[str, int]  # each linear layer's fewest input rows in those calls (`fp8.fewest_rows`)
 
 
 @contextlib.contextmanager
@@ -93,7 +77,7 @@ def capture(modules: dict[str, torch.nn.Module]):
     Yields a dict filled in as the modules are called: name -> (args, kwargs), args bound to
     keyword names by the module's forward signature.
     """
-    calls: dict[str, Call] = {}
+    calls: dict[str, CapturedCall] = {}
     handles = []
     for name, module in modules.items():
 
@@ -115,7 +99,7 @@ def capture_blocks(
     sizes: list[tuple[int, int]],
     prompt: str = CAPTURE_PROMPT,
     row: Family | None = None,
-) -> list[dict[str, Call]]:
+) -> list[dict[str, CapturedCall]]:
     """Capture the first call's inputs of every module (block groups' first blocks, the transformer)
     from one real pipeline call per size.
 
@@ -142,7 +126,7 @@ def capture_blocks(
 def dynamic_shapes(contract: Contract, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The `dynamic_shapes` spec for `torch.export.export`, covering every captured kwarg.
 
-    One `Dim` per form of `blocks.TensorSpec`: `image_tokens` (I) and `text_tokens` (L), ranged by
+    One `Dim` per form of `contract.TensorSpec`: `image_tokens` (I) and `text_tokens` (L), ranged by
     the contract; a dim `a * I + c` is derived from I (likewise for L). A dim following both, `a * I
     + b * L + c` (Z-Image's joint sequence), gets its own `Dim` over `a * I + b * L`: export takes
     derived dims of one root only.
@@ -194,7 +178,9 @@ def start_compile_workers(device: torch.device) -> None:
     captures and exports, which take longer than the pool's start (BENCHMARKS.md).
     """
     if device.type == "cuda":
-        from torch._inductor.async_compile import maybe_warm_pool
+        from torch._inductor.async_compile import (  # heavy: at first use
+            maybe_warm_pool,
+        )
 
         maybe_warm_pool()
 
@@ -215,59 +201,50 @@ def compile_package(exported: torch.export.ExportedProgram) -> bytes:
             return f.read()
 
 
-def compile_blocks(
-    pipe: Any, options: Options | None = None, target: Target | None = None, trials: Trials | None = None
-) -> Compiled:
+def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
     """Capture, export and compile one package per repeated block class of `pipe.transformer`.
 
     Leaves `pipe` as it was (FP8 is tried on a copy of one block). Runs on the GPU the pipeline is
     on: on ZeroGPU, inside the worker (compile.py's `compile_transformer` calls it in its
     `@spaces.GPU` function). `target` and `trials` are the pipeline's and this GPU's, worked out once
-    by the caller (which hands the same ones to the load path); worked out here when not given.
+    by the caller (`Target.of`, `Trials.resolve`), which hands the same ones to the load path.
 
     Raises:
         ValueError: no repeated blocks, or inputs the shape rule cannot describe.
-        RuntimeError: a fast path was explicitly requested but cannot run, or a compiled bf16
-            SDPA block does not match its eager block.
+        RuntimeError: `fp8=on` and its last trial failed, or a compiled bf16 SDPA block does not
+            match its eager block.
     """
-    options = options or Options()
     transformer = pipe.transformer
     blocks = repeated_blocks(transformer)
-    target = target or Target.of(pipe, options)
-    trials = trials or Trials.resolve(options, transformer)
-    resolution, plan = target.resolution, trials.plan
-    kernels, granularities = trials.attention, trials.fp8
+    resolution, kernels = target.resolution, trials.attention.steps
     log.info("%s", trials.planned)
     if resolution.min_side == resolution.max_side:
         raise ValueError(
             f"sides {resolution.min_side}..{resolution.max_side} px: give two sizes (min_side < max_side); "
             "the captures at both ends find which block inputs follow the image size"
         )
-    walked = list(trials.skipped)
-    # Vector ISA and target (native.py); the compilers start working now, while the blocks are captured.
-    with native.compile_scope(transformer.device):
+    failed = []
+    # Vector ISA and target (portability.py); the compilers start working now, while the blocks are captured.
+    with portability.compile_scope(transformer.device):
         start_compile_workers(transformer.device)
         classes = _capture_classes(pipe, blocks, target)
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
-                packages, granularity, fp8_walk = _compile_classes(classes, kernel, granularities, options)
+                packages, granularity, walked = _compile_classes(classes, kernel, trials.fp8)
                 break
             except Exception as exc:
                 if kernel == kernels[-1]:
                     raise
-                walked.append(f"{kernel} failed its trial ({brief(exc)})")
-                log.warning("attention: %s", walked[-1])
-    origin = f"plan {plan.name}" if options.attention == "auto" else "requested"
-    attention = Decision("attention", kernel, f"{origin}: " + " -> ".join([*walked, kernel]))
-    origin = f"plan {plan.name}" if options.fp8_granularity == "auto" else f"fp8_granularity={options.fp8_granularity}"
-    fp8_reason = f"{origin}: " + " -> ".join(fp8_walk) if granularities else trials.fp8_off
-    fp8 = Decision("fp8", granularity or "off", fp8_reason)
+                failed.append(f"{kernel} failed its trial ({brief(exc)})")
+                log.warning("attention: %s", failed[-1])
+    attention = trials.attention.decision(kernel, [*failed, kernel])
+    fp8 = trials.fp8.decision(granularity or "off", walked)
     log.info("%s", attention)
     log.info("%s", fp8)
-    valid_for = fingerprint(transformer, resolution, attention, fp8, options)
-    valid_for["cpu_isa"] = native.isa_built_for(transformer.device)  # what the packages need (native.isa_problem)
-    valid_for.update(native.runtimes_needed(*(p.package for p in packages.values())))  # native.runtime_problem
-    fa3_kernel = options.fa3_kernel if attention.value == "fa3" else None
+    fa3_kernel = trials.fa3_kernel if kernel == "fa3" else None
+    valid_for = fingerprint(transformer, resolution, kernel, fp8.value, fa3_kernel)
+    valid_for["cpu_isa"] = portability.isa_built_for(transformer.device)  # what they need: portability.isa_problem
+    valid_for.update(portability.runtimes_needed(*(p.package for p in packages.values())))  # and runtime_problem
     return Compiled(packages, [trials.planned, attention, fp8], resolution, fa3_kernel, granularity, valid_for)
 
 
@@ -301,25 +278,22 @@ def _capture_classes(pipe: Any, blocks: dict[str, list[torch.nn.Module]], target
 
 
 def _compile_classes(
-    classes: dict[str, Captured],
-    attention: str,
-    granularities: tuple[str, ...],
-    options: Options,
+    classes: dict[str, Captured], attention: str, fp8: Walk
 ) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
-    """One package per class with `attention`; FP8 at the first of `granularities` whose trial runs.
-    `classes`: class name -> `Captured`.
+    """One package per class with `attention`; FP8 at the first of `fp8.steps` (granularities) whose
+    trial runs. `classes`: class name -> `Captured`.
 
     The granularities are walked in order. One whose FP8 block fails to export, compile, load or
     run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
     class whose FP8 block runs but differs from eager by more than `FP8_MAX_REL_ERROR` stays in bf16
-    (`fp8=auto`). Returns the packages, the granularity they use (None: all bf16), and the walk: a
+    (unless `fp8.required`). Returns the packages, the granularity they use (None: all bf16), and the walk: a
     note per step, ending in "bf16" where no granularity was kept. Each class compiles while the one
     before it builds its wrapper's C++ (`overlap.overlapped`); results and errors keep the classes' order.
 
     Raises:
         RuntimeError: a bf16 package differs from its eager block by more than `MAX_REL_ERROR`.
         Exception: what the bf16 export or compile raised (the caller falls back to the next
-            attention kernel), or, with `fp8=on`, what the last granularity's trial raised.
+            attention kernel), or, where `fp8.required`, what the last granularity's trial raised.
     """
 
     def bf16(name: str) -> BlockPackage:
@@ -344,9 +318,9 @@ def _compile_classes(
             return counts, None
         return counts, _compile_class(name, quantized, inputs, contract, attention, references, fp8=granularity)
 
-    walk = []
+    walk, granularities = [], fp8.steps
     for granularity in granularities:
-        fp8, notes = {}, []
+        kept, notes = {}, []
         try:
             with overlapped([functools.partial(fp8_trial, name, granularity) for name in classes]) as jobs:
                 for name, job in zip(classes, jobs, strict=True):
@@ -355,20 +329,20 @@ def _compile_classes(
                         notes.append(f"{name}: all {counts[1]} linear layers narrower than {FP8_MIN_FEATURES}, bf16")
                         continue
                     note = f"{name} {counts[0]} layers FP8, {counts[1]} kept, rel. error {package.rel_error:.1e}"
-                    if not package.rel_error <= FP8_MAX_REL_ERROR and options.fp8 == "auto":
+                    if not package.rel_error <= FP8_MAX_REL_ERROR and not fp8.required:
                         note += f" > {FP8_MAX_REL_ERROR:.0e}: bf16"
                     else:
-                        fp8[name] = package
+                        kept[name] = package
                     notes.append(note)
         except Exception as exc:
-            if options.fp8 != "auto" and granularity == granularities[-1]:
+            if fp8.required and granularity == granularities[-1]:
                 raise
             walk.append(f"{granularity} failed its trial ({name}: {brief(exc)})")
             log.warning("fp8: %s", walk[-1])
             continue
         walk.append(f"{granularity}: " + "; ".join(notes))
-        if fp8:
-            packages = {**bf16_all([n for n in classes if n not in fp8]), **fp8}
+        if kept:
+            packages = {**bf16_all([n for n in classes if n not in kept]), **kept}
             return {name: packages[name] for name in classes}, granularity, walk
     return bf16_all(list(classes)), None, walk + ["bf16"] * bool(granularities)
 
@@ -388,7 +362,7 @@ def _compile_class(
     captured shape, both image sizes and, where the text length follows the prompt, the shortest
     and the longest text (cuBLAS can refuse an FP8 GEMM at one shape and not another: BENCHMARKS.md).
     rel_error is the largest of those."""
-    from diffusers.models.attention_dispatch import attention_backend
+    from diffusers.models.attention_dispatch import attention_backend  # heavy: at first use
 
     start = time.perf_counter()
     with attention_backend("_flash_3" if attention == "fa3" else "native"):

@@ -17,7 +17,7 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
   one). So the text length L is a second dynamic dimension, found by capturing once more with a
   longer prompt and read from the transformer's `text_input`, from `MIN_TEXT_TOKENS` to
   `max_sequence_length`. A prompt cut at `max_sequence_length` gets a note in the UI either way.
-* a block input dim is `a * I + b * L + c` (blocks.contract_from_captures): Z-Image's main blocks
+* a block input dim is `a * I + b * L + c` (contract.contract_from_captures): Z-Image's main blocks
   see image and text tokens in one sequence (a = b = 1).
 
 What differs by family in the models' configs is read here too: the VAE's downsampling
@@ -30,17 +30,16 @@ What differs by family in the models' configs is read here too: the VAE's downsa
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
+from PIL import Image
 from torch.utils import _pytree as pytree
 
 from aot import images
-
-if TYPE_CHECKING:
-    from aot.options import Resolution
-
+from aot.resolution import Resolution
 
 # FLUX.1's attention and MLP layers in its two block classes (Chroma's have the same names). No row
 # names its own yet: in FLUX.2's and Qwen-Image's blocks these match the attention only, in Z-Image's none.
@@ -174,7 +173,7 @@ class Family:
     ) -> list[tuple[tuple[int, int], str]]:
         """(size, prompt) of each capture call a compile needs: `prompt` at every size of `sizes`,
         then, where the text length follows the prompt, `long_prompt` at the first size (a capture
-        that differs in text tokens only: L is a dynamic dimension, `blocks.contract_from_captures`)."""
+        that differs in text tokens only: L is a dynamic dimension, `contract.contract_from_captures`)."""
         calls = [(size, prompt) for size in sizes]
         if self.text_rule == "prompt":
             calls.append((sizes[0], long_prompt))
@@ -193,8 +192,6 @@ class Family:
 
     def missing(self) -> list[str]:
         """The modules of `requires` that cannot be imported here."""
-        import importlib.util
-
         return [name for name in self.requires if importlib.util.find_spec(name) is None]
 
     def guided(self, pipe: Any) -> bool:
@@ -256,17 +253,15 @@ class Family:
             raise ValueError(f"{self.label} ({self.pipeline}) takes no input image")
         image = None
         if self.image_input == "required" or reference:
-            from PIL import Image
-
             pixels = torch.arange(height * width * 3, dtype=torch.int64).reshape(height, width, 3) % 251
             image = Image.fromarray(pixels.to(torch.uint8).numpy())
         steps = self.min_steps if steps is None else steps
-        request = Call(prompt, height, width, steps, self.defaults(pipe)[1], image)
+        request = CaptureRequest(prompt, height, width, steps, self.defaults(pipe)[1], image)
         return self.call(pipe, request)
 
 
 @dataclass(frozen=True)
-class Call:
+class CaptureRequest:
     """The request a capture or benchmark call stands for (`Family.capture_call`): the fields every
     family reads; a family's `controls` keep their `call_kwargs` defaults."""
 
@@ -280,7 +275,9 @@ class Call:
 
 def _qwen_edit_reference(height: int, width: int) -> tuple[int, int]:
     """(height, width) QwenImageEditPipeline resizes its input image to: about 1 MP, the output's aspect ratio."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (  # heavy: at first use
+        calculate_dimensions,
+    )
 
     ref_width, ref_height, _ = calculate_dimensions(1024 * 1024, width / height)
     return ref_height, ref_width
@@ -421,55 +418,6 @@ def family(pipeline_class: str) -> Family:
     why = UNSUPPORTED.get(pipeline_class, "no row in families.py")
     supported = ", ".join(f"{f.label} ({name})" for name, f in FAMILIES.items())
     raise ValueError(f"{pipeline_class} is not supported: {why}. Supported pipelines: {supported}")
-
-
-def vae_scale_factor(vae_config: dict[str, Any]) -> int:
-    """The VAE's spatial downsampling, as the pipelines compute `vae_scale_factor` from its config:
-    2 ** (resolution levels - 1) for `AutoencoderKL`-style VAEs (8 for FLUX's), 2 ** len(temperal_downsample)
-    for Qwen-Image's and Wan's."""
-    if "temperal_downsample" in vae_config:
-        return 2 ** len(vae_config["temperal_downsample"])
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
-
-
-def latent_channels(vae_config: dict[str, Any]) -> int:
-    """The VAE's latent channels: its config's `z_dim` (Qwen-Image's and Wan's VAEs), else `latent_channels`.
-
-    Raises:
-        KeyError: the config has neither field.
-    """
-    return vae_config[_latent_field(vae_config)]
-
-
-def with_latent_channels(vae_config: dict[str, Any], channels: int) -> dict[str, Any]:
-    """A copy of `vae_config` for a VAE of `channels` latent channels: the field `latent_channels`
-    reads set to it, and the lists of one value per channel (Qwen-Image's `latents_mean`,
-    `latents_std`) repeated or cut to `channels`."""
-    config = {**vae_config, _latent_field(vae_config): channels}
-    for stat in ("latents_mean", "latents_std"):
-        if isinstance(config.get(stat), list):
-            config[stat] = (config[stat] * channels)[:channels]
-    return config
-
-
-def _latent_field(vae_config: dict[str, Any]) -> str:
-    """The VAE config's field of its latent channels."""
-    return "z_dim" if "z_dim" in vae_config else "latent_channels"
-
-
-def attention_head_dim(transformer: torch.nn.Module) -> int:
-    """The transformer's attention head dim: its config's `attention_head_dim` (FLUX, Qwen-Image), else
-    the first attention module's query width over its head count (Z-Image's config names `dim`, `n_heads`).
-
-    Raises:
-        ValueError: neither is there.
-    """
-    if "attention_head_dim" in transformer.config:
-        return transformer.config.attention_head_dim
-    for module in transformer.modules():
-        if hasattr(module, "to_q") and hasattr(module, "heads"):
-            return module.to_q.out_features // module.heads
-    raise ValueError(f"{type(transformer).__name__}: no attention_head_dim in its config and no attention module")
 
 
 def graph_safe_(transformer: torch.nn.Module) -> list[str]:

@@ -4,7 +4,7 @@ A compiled step is one AOTI call per block (57 for FLUX.1-dev) plus the eager co
 each a series of kernel launches; the GPU idles in the gaps (profiled on the H200: see
 BENCHMARKS.md). A CUDA graph replays the same kernels as one launch. The compiled blocks allow
 it: their packages are loaded with single-threaded runners (torch's AOTI runner mode for graph
-capture; see `blocks.load_runner`).
+capture; see `runner.load_runner`).
 
 The first call at a new shape runs as usual (its output is the answer; it also warms up the
 kernels), then the step is captured on copies of its inputs and replayed once: the replay must
@@ -31,7 +31,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aot import zerogpu
-from aot.blocks import COSTS, forward_signature, patch_forward, rel_error
+from aot.blocks import forward_signature, patch_forward, rel_error
+from aot.costs import COSTS
 from aot.families import graph_safe_
 
 log = logging.getLogger("graphs")

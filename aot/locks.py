@@ -1,7 +1,7 @@
 """Which files a living process still owns: a lock the kernel drops when its holder dies.
 
-A Space leaves things behind when it is killed: a save between its two renames (packages.py),
-package folders the AOTI loader extracted into /tmp (blocks.py), result images (results.py). The
+A Space leaves things behind when it is killed: a save between its two renames (saving.py),
+package folders the AOTI loader extracted into /tmp (runner.py), result images (results.py). The
 next process must tell a leftover of a dead process from the work of a living one. A process id
 cannot tell: in a container the app is often PID 1 at every start, so a dead process's PID is the
 living one's. So the owner holds an exclusive `flock` on a lock file for as long as the work lasts,

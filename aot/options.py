@@ -1,4 +1,4 @@
-"""Options and the resolution rule shared by `compile.py` (shape range) and `app.py` (UI limits).
+"""Options shared by `compile.py` (shape range) and `app.py` (UI limits).
 
 Every option is one field of the frozen `Options` dataclass, with one CLI flag and one environment
 variable; `python compile.py --help` and `python app.py --help` list them.
@@ -15,6 +15,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from aot.lora_specs import parse
+from aot.resolution import Resolution
 
 # Image sizes the compiled blocks accept: each side a multiple of the pipeline's pixel step (16 for
 # FLUX: VAE downsampling 8 x 2x2 latent packing) between these bounds, any aspect ratio in between.
@@ -76,7 +79,7 @@ class Options:
         metadata=_option(
             "AOT_FP8_GRANULARITY",
             "FP8 scaling: one scale per row (activations per token, weights per output channel), per tensor, or"
-            " auto: the GPU's plan (fast_paths.PLANS: row then tensor on Hopper, tensor on sm_89 and sm_120)",
+            " auto: the GPU's plan (plans.PLANS: row then tensor on Hopper, tensor on sm_89 and sm_120)",
             choices=("auto", "row", "tensor"),
         ),
     )
@@ -228,12 +231,12 @@ class Options:
 
     @property
     def lora_specs(self) -> tuple[Any, ...]:
-        """`lora`, parsed (`lora.LoraSpec`s): the LoRAs fused into the weights at load."""
+        """`lora`, parsed (`lora_specs.LoraSpec`s): the LoRAs fused into the weights at load."""
         return self._specs[0]
 
     @property
     def choice_specs(self) -> tuple[Any, ...]:
-        """`lora_choices`, parsed (`lora.LoraSpec`s): the LoRAs a request may pick."""
+        """`lora_choices`, parsed (`lora_specs.LoraSpec`s): the LoRAs a request may pick."""
         return self._specs[1]
 
     def __post_init__(self) -> None:
@@ -247,8 +250,6 @@ class Options:
             raise ValueError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if not re.fullmatch(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*", self.devices):
             raise ValueError(f"devices={self.devices!r}: use auto or a comma-separated list of cpu, cuda, cuda:N")
-        from aot.lora import parse
-
         # Parsed once here (raises ValueError naming the item and the syntax); `lora_specs`, `choice_specs`.
         object.__setattr__(self, "_specs", (tuple(parse(self.lora)), tuple(parse(self.lora_choices))))
         if self.results_max_age < 1:
@@ -302,55 +303,3 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
         except ValueError:
             raise ValueError(f"{env}={raw!r}: expected an integer") from None
     return raw
-
-
-# --------------------------------------------------------------------------------------------
-# The resolution rule: one place for the UI's limits and the exported shape range.
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Image sizes a compiled pipeline accepts.
-
-    Each side is a multiple of `step` pixels in [min_side, max_side]; the transformer sees
-    tokens = (height / step) * (width / step) image tokens. For FLUX `step` = 16: the VAE
-    downsamples by 8 (`pipe.vae_scale_factor`) and the latents are packed 2x2.
-    """
-
-    min_side: int
-    max_side: int
-    step: int = 16
-
-    def __post_init__(self) -> None:
-        if not (0 < self.min_side <= self.max_side) or self.min_side % self.step or self.max_side % self.step:
-            raise ValueError(
-                f"side range {self.min_side}..{self.max_side} px: both ends must be multiples of "
-                f"{self.step} with 0 < min <= max"
-            )
-
-    def tokens(self, height: int, width: int) -> int:
-        """Image tokens of a `height` x `width` image (pixels)."""
-        return (height // self.step) * (width // self.step)
-
-    @property
-    def token_range(self) -> tuple[int, int]:
-        """(smallest, largest) image-token count over every allowed size."""
-        return self.tokens(self.min_side, self.min_side), self.tokens(self.max_side, self.max_side)
-
-    @property
-    def sides(self) -> str:
-        """The sides allowed, as a refusal says them: "a multiple of 16 from 512 to 1536 px"."""
-        return f"a multiple of {self.step} from {self.min_side} to {self.max_side} px"
-
-    def describe(self) -> str:
-        lo, hi = self.token_range
-        return (
-            f"sides {self.min_side}..{self.max_side} px in steps of {self.step} "
-            f"({lo}..{hi} image tokens = (H/{self.step})*(W/{self.step}))"
-        )
-
-    def check(self, height: int, width: int) -> None:
-        """Raise `ValueError` naming the allowed range unless `height` x `width` is allowed."""
-        for name, side in (("height", height), ("width", width)):
-            if not isinstance(side, int) or side % self.step or not self.min_side <= side <= self.max_side:
-                raise ValueError(f"{name}={side} is not allowed: use {self.sides}")

@@ -63,7 +63,7 @@ class _Patch:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        from torch._inductor import cpp_builder
+        from torch._inductor import cpp_builder  # heavy: at first use
 
         with self.lock:
             if self.users == 0:
@@ -120,7 +120,7 @@ def overlapped(functions: Sequence[Callable[[], T]]) -> Iterator[list[Job[T]]]:
     no package leaves the next one to its own `result()`; jobs left at exit never run.
 
     Only this thread's package compiles overlap; other threads' C++ builds (the precompiled headers,
-    `native.compile_scope`) run as they would. No job is still running once the context has exited.
+    `portability.compile_scope`) run as they would. No job is still running once the context has exited.
     """
     jobs = [Job(f) for f in functions]
     outer = getattr(_state, "queue", None)

@@ -7,15 +7,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
+from huggingface_hub import constants
 
-from aot import lora, native
-from aot.families import family, vae_scale_factor
-from aot.fast_paths import (
-    refuse_impossible_requests,
-)
+from aot import lora, portability
+from aot.destinations import check_push_target, check_save_target
+from aot.families import family
+from aot.model_config import vae_scale_factor
 from aot.options import Options
-from aot.packages import check_push_target, check_save_target
+from aot.plans import refuse_impossible_requests
 
 log = logging.getLogger("compile")
 
@@ -43,7 +44,7 @@ def load_pipeline(options: Options) -> Any:
     supported, the side range against the model's pixel step (read from its VAE config), a save
     folder that cannot be written, a Hub that cannot be reached, a model too large for a machine
     without CUDA. Beside the weights it starts the CPU ISA probe a compile for a CPU needs
-    (`native.needs_probe`; a CUDA compile skips it), unless nothing is compiled
+    (`portability.needs_probe`; a CUDA compile skips it), unless nothing is compiled
     (`--no-compile`) or packages are to be loaded (`AOT_LOAD`, which does not need it; if they are
     then refused, the compile waits for the probe).
 
@@ -54,7 +55,7 @@ def load_pipeline(options: Options) -> Any:
             pixel step; a LoRA source that is neither a path nor a Hub repo id, or a LoRA that
             cannot be applied (lora.read).
     """
-    import diffusers
+    import diffusers  # heavy: at first use
 
     if not options.model:
         raise ValueError(f"no model: name one with --model or MODEL_ID (a Hub repo id or a folder). {TINY_ADVICE}")
@@ -73,7 +74,7 @@ def load_pipeline(options: Options) -> Any:
     if options.push:
         check_push_target(options.push)
     for spec in options.lora_specs + options.choice_specs:
-        spec.check()
+        spec.check_source()
     index = _model_config(diffusers.DiffusionPipeline, options.model, None)
     pipeline_class = index.get("_class_name", "")
     row = family(pipeline_class)  # refuses an unsupported class before any weight loads
@@ -94,8 +95,8 @@ def load_pipeline(options: Options) -> Any:
             )
     vae = _model_config(getattr(diffusers, index["vae"][1]), options.model, "vae")
     options.resolution(vae_scale_factor=vae_scale_factor(vae))
-    if options.compile and not options.load and native.needs_probe(device):
-        native.probe_in_background()  # it overlaps with loading the weights
+    if options.compile and not options.load and portability.needs_probe(device):
+        portability.probe_in_background()  # it overlaps with loading the weights
     pipe = getattr(diffusers, pipeline_class).from_pretrained(options.model, dtype=dtype).to(device)
     if options.lora_specs:
         lora.fuse_(pipe, list(options.lora_specs))
@@ -113,9 +114,6 @@ def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]
         RuntimeError: the config cannot be read, saying why (no such folder, Hub unreachable,
             no access to a gated repo).
     """
-    import httpx
-    from huggingface_hub import constants
-
     advice = f"Offline, or without access to a gated Hub repo: {TINY_ADVICE}"
     first = model.replace(os.sep, "/").split("/")[0]
     if not os.path.isdir(model) and (model.startswith((".", "/", "~")) or first and os.path.isdir(first)):

@@ -32,7 +32,8 @@ import torch
 from PIL import Image
 
 from aot import cancel, images, lora
-from aot.blocks import Report, tensor_bytes
+from aot.blocks import tensor_bytes
+from aot.compiled import Report
 from aot.families import controls_sent
 from aot.options import Options
 from aot.replicas import Replicas
@@ -112,7 +113,7 @@ def guard(component: gr.components.Component, allowed: str, before: Any = None) 
 
 def number_problem(value: Any, low: float, high: float, whole: bool, step: float = 1) -> str | None:
     """Why `value` is not a number from `low` to `high` (a whole one where `whole`, on the grid of
-    whole `step`s from `low`), or None: the one rule of the widgets (`guard`) and `Server.check`."""
+    whole `step`s from `low`), or None: the one rule of the widgets (`guard`) and `Server.check_request`."""
     if not _finite_number(value):
         return "is not a number"
     if whole and value != int(value):
@@ -149,7 +150,7 @@ LABELS = {"num_inference_steps": "Steps", "guidance_scale": "Guidance", "lora": 
 class Server:
     """One model served: its replicas and the facts every request needs, worked out once.
 
-    family: the pipeline's row (families.py); resolution: the side range (`options.Resolution`);
+    family: the pipeline's row (families.py); resolution: the side range (`resolution.Resolution`);
     limits: app.py's (`Limits`); guided: whether the model takes guidance; defaults: every request
     field's default for this model (`fill`); steps_allowed: the steps a request may ask for, in words;
     edits: an input image is required; loras: what a request may pick ("none" first); status: one
@@ -234,7 +235,7 @@ class Server:
         references = int(request.image is not None)
         return self.family.image_tokens(self.resolution, int(request.height), int(request.width), references)
 
-    def check(self, request: Any) -> None:
+    def check_request(self, request: Any) -> None:
         """Raise `gr.Error` (`refuse`) unless `request` (filled) is one this model can serve.
 
         The widgets refuse what they can (`guard`); this covers every request, direct calls
@@ -318,7 +319,7 @@ class Server:
         Raises:
             gr.Error: what `check` refuses, or an input image whose pixels cannot be read as RGB.
         """
-        self.check(request)
+        self.check_request(request)
         seed = random.randint(0, self.limits.max_seed) if request.randomize_seed else int(request.seed)
         width, height, steps = int(request.width), int(request.height), int(request.num_inference_steps)
         changes: dict[str, Any] = {"num_inference_steps": steps}

@@ -1,10 +1,10 @@
 """`Target`: what one pipeline is compiled for and served with, worked out once and handed on.
 
-The family's row (families.py), the side range (`options.Resolution`) and the LoRAs (fused at load,
+The family's row (families.py), the side range (`resolution.Resolution`) and the LoRAs (fused at load,
 offered per request) follow from the pipeline and the options alone: compile.py's
 `compile_transformer` works them out once per pipeline and hands them to the load path and the
 compile path alike, and `server.Server` to the requests. What the GPU adds, the trials its plan
-orders (`fast_paths.Trials`), is worked out once in the startup's GPU call, where the real card is.
+orders (`plans.Trials`), is worked out once in the startup's GPU call, where the real card is.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aot.families import Family, family
-from aot.lora import LoraSpec
-from aot.options import Options, Resolution
+from aot.lora_specs import LoraSpec
+from aot.options import Options
+from aot.resolution import Resolution
 
 
 @dataclass(frozen=True)

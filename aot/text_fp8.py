@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from aot.blocks import tensor_bytes
-from aot.fast_paths import FP8_MAX_REL_ERROR, Decision, brief
+from aot.blocks import rel_error, tensor_bytes
+from aot.fp8 import FP8_MAX_REL_ERROR
+from aot.plans import Decision, brief
 from aot.zerogpu_limits import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
@@ -57,7 +58,7 @@ def text_encoders(pipe: Any) -> dict[str, torch.nn.Module]:
     """The pipeline's text encoders by component name, in component order: the transformers
     `PreTrainedModel`s among `pipe.components` whose name starts with `text_encoder` (FLUX.1:
     `text_encoder` (CLIP) and `text_encoder_2` (T5); Qwen-Image, Z-Image, FLUX.2: `text_encoder`)."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # heavy: at first use
 
     return {
         name: component
@@ -68,7 +69,7 @@ def text_encoders(pipe: Any) -> dict[str, torch.nn.Module]:
 
 def is_fp8(linear: torch.nn.Linear) -> bool:
     """Whether the layer's weight is torchao's FP8 weight-only `Float8Tensor`."""
-    from torchao.quantization import Float8Tensor
+    from torchao.quantization import Float8Tensor  # heavy: at first use
 
     return isinstance(linear.weight, Float8Tensor) and linear.weight.act_quant_kwargs is None
 
@@ -78,7 +79,7 @@ def config() -> Any:
 
     `set_inductor_config=False`: quantizing must not change Inductor's global settings.
     """
-    from torchao.quantization import Float8WeightOnlyConfig, PerRow
+    from torchao.quantization import Float8WeightOnlyConfig, PerRow  # heavy: at first use
 
     return Float8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False)
 
@@ -116,7 +117,7 @@ def _quantize_(
     """FP8-quantize `layers` in place, recording each original Parameter in `originals` before its
     layer changes (so a failure midway can be undone). A layer with an all-zero row gets its
     Parameter back at once and goes into `kept`."""
-    from torchao.quantization import quantize_
+    from torchao.quantization import quantize_  # heavy: at first use
 
     fp8 = config()
     with torch.no_grad():
@@ -281,8 +282,6 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
 def _trial_one_(
     pipe: Any, name: str, encoder: torch.nn.Module, prompt: str, option: str, max_rel_error: float
 ) -> EncoderTrial:
-    from aot.blocks import rel_error
-
     before = tensor_bytes(encoder)
     eligible, kept, already = _plan(encoder)
     originals: dict[str, torch.nn.Parameter] = {}

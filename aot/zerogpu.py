@@ -41,7 +41,7 @@ in one process.
 `worker` runs inside the worker: it carries the function's exceptions back whole (spaces passes on
 only their class name), brings back the state modules registered with `carry_back` (the CUDA graph
 shapes a worker checked, graphs.py), and logs one `zerogpu-call` line per call with what the
-counters registered with `count_per_call` spent (package loads and binds, blocks.py). It imports
+counters registered with `count_per_call` spent (package loads and binds, costs.py). It imports
 no other module of the engine: the modules that own such state register it.
 """
 
@@ -100,7 +100,7 @@ def _worker_error() -> type:
     worker's traceback as a note. spaces still releases the GPU with `fail=True`, so the service
     replaces that worker. Made at the first use: importing this module imports no gradio.
     """
-    import gradio as gr
+    import gradio as gr  # heavy: at first use
 
     class WorkerError(gr.Error):
         def __init__(self, error: BaseException, worker_traceback: str = ""):
@@ -154,7 +154,7 @@ def worker(fn: F) -> F:
     if not ON_ZEROGPU:
         return fn
 
-    import gradio as gr
+    import gradio as gr  # heavy: at first use
 
     @functools.wraps(fn)
     def in_worker(*args: Any, **kwargs: Any) -> Any:

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from aot.apply import apply_
-from aot.blocks import patch_blocks_
+from aot.apply import apply_, patch_blocks_
 from aot.export import compile_blocks
 from aot.options import Options
-from aot.packages import save_and_push, save_packages
 from aot.pipeline import load_pipeline
+from aot.plans import Trials
+from aot.saving import save_and_push, save_packages
+from aot.target import Target
 from compile import compile_transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,12 @@ def tiny_options(**changes) -> Options:
 
 def load_tiny():
     return load_pipeline(tiny_options())
+
+
+def decided(pipe, options: Options) -> tuple:
+    """`(pipe, target, trials)`: what compile.py's `compile_transformer` works out once and hands to
+    both `export.compile_blocks` and `loading.load_packages`."""
+    return pipe, Target.of(pipe, options), Trials.resolve(options, pipe.transformer)
 
 
 def optimize(pipe, options: Options, compiled=None):
@@ -64,7 +71,7 @@ def generate(pipe, height: int, width: int, seed: int = 0, steps: int = 2, **kwa
 @pytest.fixture(scope="session")
 def compiled():
     """`compile_blocks` on the tiny pipeline: one package per block class."""
-    return compile_blocks(load_tiny(), tiny_options())
+    return compile_blocks(*decided(load_tiny(), tiny_options()))
 
 
 @pytest.fixture(scope="session")

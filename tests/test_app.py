@@ -415,12 +415,12 @@ def test_a_save_that_fills_the_disk_is_a_warning_and_the_space_serves(saved, tmp
     # Before: AOT_SAVE on a full disk ended app.py with "[Errno 28] No space left on device" after the
     # whole startup: no path named, the packages lost, nothing served. A writer that raises ENOSPC
     # stands in for the full disk (no tmpfs can be mounted here).
-    from aot import packages
+    from aot import saving
 
     def full_disk(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(packages, "_write", full_disk)
+    monkeypatch.setattr(saving, "_write", full_disk)
     target = tmp_path / "packages"
     with caplog.at_level(logging.WARNING, logger="app"):
         server = app.start(Options(model=TINY, device="cpu", load=str(saved), save=str(target)))

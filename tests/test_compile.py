@@ -7,25 +7,18 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TOLERANCE, generate, load_tiny, tiny_options
+from conftest import ROOT, TOLERANCE, decided, generate, load_tiny, tiny_options
 from diffusers import FluxTransformer2DModel
 from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
-from aot.blocks import (
-    COSTS,
-    BlockPackage,
-    CompiledBlock,
-    SharedPackage,
-    block_constants,
-    contract_from_captures,
-    patch_blocks_,
-    patch_forward,
-    patched_forward,
-    rel_error,
-    repeated_blocks,
-)
+from aot.apply import patch_blocks_
+from aot.blocks import block_constants, patch_forward, patched_forward, rel_error, repeated_blocks
+from aot.compiled import BlockPackage
+from aot.contract import contract_from_captures
+from aot.costs import COSTS
 from aot.export import capture_blocks, compile_blocks, compile_package, dynamic_shapes, export_block
-from aot.options import Resolution
+from aot.resolution import Resolution
+from aot.runner import CompiledBlock, SharedPackage
 
 
 def compiled_blocks(pipe) -> list[CompiledBlock]:
@@ -150,7 +143,7 @@ def test_captures_must_differ_in_one_count_at_a_time():
 
 def test_one_size_only_is_refused_before_any_capture():
     with pytest.raises(ValueError, match=r"sides 512\.\.512 px: give two sizes"):
-        compile_blocks(load_tiny(), tiny_options(min_side=512, max_side=512))
+        compile_blocks(*decided(load_tiny(), tiny_options(min_side=512, max_side=512)))
 
 
 def test_blocks_in_containers_whose_names_join_alike_stay_apart():

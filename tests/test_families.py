@@ -16,14 +16,18 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TOLERANCE, Server, optimize
+from conftest import ROOT, TOLERANCE, Server, decided, optimize
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from aot.blocks import contract_from_captures, patch_blocks_, rel_error, repeated_blocks
-from aot.families import FAMILIES, Call, family, latent_channels, with_latent_channels
-from aot.options import Options, Resolution
+from aot.apply import patch_blocks_
+from aot.blocks import rel_error, repeated_blocks
+from aot.contract import contract_from_captures
+from aot.families import FAMILIES, CaptureRequest, family
+from aot.model_config import latent_channels, with_latent_channels
+from aot.options import Options
 from aot.pipeline import load_pipeline
+from aot.resolution import Resolution
 
 
 def pipeline_class(folder: str) -> str:
@@ -65,7 +69,7 @@ def images(
 ) -> torch.Tensor:
     row = family(type(pipe).__name__)
     image = input_image() if row.image_input == "required" or reference else None
-    call = row.call(pipe, Call(prompt, height, width, steps, row.defaults(pipe)[1], image))
+    call = row.call(pipe, CaptureRequest(prompt, height, width, steps, row.defaults(pipe)[1], image))
     return pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pt").images
 
 
@@ -250,11 +254,11 @@ def test_text_length_that_follows_the_prompt_is_a_checked_dynamic_dimension():
         ("text", (1, None, 8), (0, 0, 0), (0, 1, 0)),
         ("text_rope", (None, 4), (0, 0), (1, 0)),
     ]
-    contract.check(inputs(512, 300))
+    contract.check_inputs(inputs(512, 300))
     with pytest.raises(ValueError, match=r"compiled for 2\.\.512 text tokens; text has 600"):
-        contract.check(inputs(512, 600))
+        contract.check_inputs(inputs(512, 600))
     with pytest.raises(ValueError, match="text_rope has 20 text tokens while other inputs of this call have 300"):
-        contract.check({**inputs(512, 300), "text_rope": torch.zeros(20, 4)})
+        contract.check_inputs({**inputs(512, 300), "text_rope": torch.zeros(20, 4)})
 
 
 def test_a_dim_that_follows_image_and_text_is_its_own_checked_dimension():
@@ -273,11 +277,11 @@ def test_a_dim_that_follows_image_and_text_is_its_own_checked_dimension():
         ((None,), (0,), (1,), (0,)),
         ((None,), (0,), (0,), (1,)),
     ]
-    contract.check(inputs(512, 64))
+    contract.check_inputs(inputs(512, 64))
     with pytest.raises(ValueError, match=r"a dim of 1\*I \+ 1\*L is 600, but I = 512 and L = 64"):
-        contract.check({**inputs(512, 64), "x": torch.zeros(1, 600, 8), "rope": torch.zeros(601, 4)})
+        contract.check_inputs({**inputs(512, 64), "x": torch.zeros(1, 600, 8), "rope": torch.zeros(601, 4)})
     with pytest.raises(ValueError, match=r"compiled for 288\.\.1536 tokens = 1\*image \+ 1\*text; x has 2000"):
-        contract.check(inputs(1900, 100))
+        contract.check_inputs(inputs(1900, 100))
     # A dim that doubles with the prompt's tokens plus one is not a whole multiple plus a constant.
     odd = [((), {"x": torch.zeros(t * 3 // 2)}) for _, t in points]
     with pytest.raises(ValueError, match="not a whole multiple of the text tokens plus a constant"):
@@ -313,7 +317,7 @@ def test_a_package_is_tried_on_every_captured_shape_not_only_the_one_it_was_expo
     monkeypatch.setattr(export, "bind", recording_bind)
     folder = "tiny-qwen-image"
     pipe = load_pipeline(options(folder))
-    compiled = export.compile_blocks(pipe, options(folder, fp8="off"))
+    compiled = export.compile_blocks(*decided(pipe, options(folder, fp8="off")))
     image_tokens = {h[1] for h, _ in shapes}
     text_tokens = {t[1] for _, t in shapes}
     assert len(shapes) == 3 and len(image_tokens) == 2 and len(text_tokens) == 2

@@ -10,11 +10,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, ZeroGPUSpace, generate
+from conftest import TINY, ZeroGPUSpace, decided, generate
 
-from aot.blocks import patch_blocks_, rel_error
+from aot.apply import patch_blocks_
+from aot.blocks import rel_error
 from aot.export import MAX_REL_ERROR, compile_blocks
-from aot.fast_paths import FP8_MAX_REL_ERROR
+from aot.fp8 import FP8_MAX_REL_ERROR
 from aot.options import Options
 from aot.pipeline import load_pipeline
 from tools.bench import published_transformer
@@ -47,7 +48,7 @@ def images(pipe, size=(1024, 768)):
 def test_fa3_blocks_match_eager():
     pipe = wide_pipeline()
     expected = images(pipe)
-    compiled = compile_blocks(pipe, Options(attention="fa3", fa3_kernel=FA3_KERNEL, fp8="off"))
+    compiled = compile_blocks(*decided(pipe, Options(attention="fa3", fa3_kernel=FA3_KERNEL, fp8="off")))
     assert compiled.decisions[1].value == "fa3", compiled.decisions[1]
     assert all(p.rel_error < MAX_REL_ERROR for p in compiled.packages.values())
     patch_blocks_(pipe, compiled)
@@ -58,7 +59,7 @@ def test_fa3_blocks_match_eager():
 def test_fp8_blocks_stay_close_to_bf16():
     pipe = wide_pipeline()
     expected = images(pipe)
-    compiled = compile_blocks(pipe, Options(attention="sdpa", fp8="on"))
+    compiled = compile_blocks(*decided(pipe, Options(attention="sdpa", fp8="on")))
     assert all(p.fp8 for p in compiled.packages.values()), compiled.decisions[2]
     assert all(p.rel_error < FP8_MAX_REL_ERROR for p in compiled.packages.values())
     patch_blocks_(pipe, compiled)
@@ -73,7 +74,7 @@ def test_row_wise_fp8_runs_a_text_mlp_at_a_short_prompt():
     by `quantize_block_` with the rows its calls saw: with the bias in the GEMM cuBLASLt refuses it
     at 12288 -> 3072 (CUBLAS_STATUS_NOT_SUPPORTED, H200, 2026-12-03); `BiasAfterGEMM` runs it, close
     to bf16. The same MLP fed only image tokens (4096 rows) keeps the bias in the GEMM, and runs."""
-    from aot.fast_paths import BiasAfterGEMM, fewest_rows, fp8_config, quantize_block_
+    from aot.fp8 import BiasAfterGEMM, fewest_rows, fp8_config, quantize_block_
 
     torch.manual_seed(0)
 
@@ -103,7 +104,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
     # sm_120 (ZeroGPU's RTX Pro 6000) cannot run FA3 or row-wise FP8; its plan tries neither.
     pipe = wide_pipeline()
     expected = images(pipe)
-    compiled = compile_blocks(pipe, Options(plan="12.0", fa3_kernel=FA3_KERNEL))
+    compiled = compile_blocks(*decided(pipe, Options(plan="12.0", fa3_kernel=FA3_KERNEL)))
     plan, attention, fp8 = compiled.decisions
     assert (plan.value, attention.value, fp8.value) == ("sm_120", "sdpa", "tensor"), compiled.decisions
     assert all(p.fp8 == "tensor" for p in compiled.packages.values())
@@ -114,7 +115,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
 
 def test_fp32_pipeline_falls_back_to_sdpa():
     # FlashAttention has no fp32 kernels; auto must say so instead of crashing in the kernel.
-    from aot.fast_paths import resolve_attention
+    from aot.plans import resolve_attention
 
     pipe = wide_pipeline(torch.float32)
     decision = resolve_attention(Options(fa3_kernel=FA3_KERNEL), pipe.transformer, torch.device("cuda"))
@@ -150,7 +151,8 @@ def test_a_checked_shape_is_captured_again_without_a_check_replay():
     # a shape already checked without replaying it against the step, and still matches plain steps.
     from conftest import optimize
 
-    from aot.blocks import COSTS, unpatch_forward
+    from aot.blocks import unpatch_forward
+    from aot.costs import COSTS
     from aot.graphs import VERIFIED, GraphedStep, graph_step_
 
     pipe = wide_pipeline()
@@ -200,8 +202,8 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     # (error ~ FP8's) from "ignored" (error ~ the LoRA's effect); 2-step latents hid it further.
     from conftest import optimize
 
-    from aot import lora
-    from aot.fast_paths import fp8_config
+    from aot import lora, lora_specs
+    from aot.fp8 import fp8_config
     from tools.bench import random_lora, step_inputs
 
     pipe = wide_pipeline()
@@ -221,7 +223,7 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     effect = rel_error(expected, base)
     report = optimize(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
     assert "attention: fa3, fp8: row, text_fp8: off, cuda_graphs: on" in report.summary(), report
-    adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
+    adapters = lora.Adapters(pipe, [lora_specs.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
     before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
     fp8_error = rel_error(step(), base)  # captures the step's CUDA graph: the switch must reach replays

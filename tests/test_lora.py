@@ -16,7 +16,7 @@ from diffusers import FluxPipeline
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
-from aot import lora
+from aot import lora, lora_specs
 from aot.blocks import rel_error
 from aot.pipeline import load_pipeline
 
@@ -46,7 +46,7 @@ def references():
 def switching(compiled):
     """The compiled tiny pipeline with LoRAs a and b offered per request."""
     pipe = load_tiny()
-    adapters = lora.Adapters(pipe, lora.parse(f"{A},{B}"))
+    adapters = lora.Adapters(pipe, lora_specs.parse(f"{A},{B}"))
     optimize(pipe, tiny_options(), compiled=compiled)
     return pipe, adapters
 
@@ -145,27 +145,27 @@ def test_loras_this_template_cannot_apply_are_refused_with_the_reason(tmp_path, 
     pipe = load_tiny()
     before = {n: t.clone() for n, t in pipe.transformer.state_dict().items()}
     with pytest.raises(ValueError, match=message):
-        lora.fuse_(pipe, lora.parse(source))
+        lora.fuse_(pipe, lora_specs.parse(source))
     assert all(torch.equal(t, before[n]) for n, t in pipe.transformer.state_dict().items()), "nothing changed"
 
 
 def test_lora_options_parse_and_bad_ones_say_the_syntax(tmp_path):
-    specs = lora.parse(f"ghibli=owner/flux-ghibli:0.8, {A}, owner/repo/style.safetensors")
+    specs = lora_specs.parse(f"ghibli=owner/flux-ghibli:0.8, {A}, owner/repo/style.safetensors")
     assert [(s.name, s.source, s.scale) for s in specs] == [
         ("ghibli", "owner/flux-ghibli", 0.8),
         ("a", A, 1.0),
         ("style", "owner/repo/style.safetensors", 1.0),
     ]
     assert specs[2].load_kwargs()["weight_name"] == "style.safetensors"
-    assert lora.parse(None) == lora.parse("") == []
+    assert lora_specs.parse(None) == lora_specs.parse("") == []
     with pytest.raises(ValueError, match=r"use \[name=\]source\[:scale\]"):
-        lora.parse("a.safetensors:strong")
+        lora_specs.parse("a.safetensors:strong")
     with pytest.raises(ValueError, match="that name means no LoRA"):
-        lora.parse(f"none={A}")
+        lora_specs.parse(f"none={A}")
     with pytest.raises(ValueError, match="a used twice"):
-        lora.parse(f"{A},a={B}")
+        lora_specs.parse(f"{A},a={B}")
     with pytest.raises(ValueError, match="neither a file or folder here nor a Hub repo"):
-        lora.parse(str(tmp_path / "missing" / "x.safetensors"))[0].check()
+        lora_specs.parse(str(tmp_path / "missing" / "x.safetensors"))[0].check_source()
 
 
 def test_a_missing_lora_file_stops_startup_before_the_weights_load(tmp_path):
@@ -216,15 +216,15 @@ def test_the_file_checked_in_a_folder_is_the_one_diffusers_reads(tmp_path):
     (folder / "checkpoint-500.safetensors").write_text("skipped by diffusers, so not checked")
     for name in ("x.safetensors", "y.safetensors", "z.safetensors"):
         shutil.copyfile(A, folder / name)
-    spec = lora.LoraSpec("loras", str(folder))
-    spec.check()
+    spec = lora_specs.LoraSpec("loras", str(folder))
+    spec.check_source()
     assert os.path.basename(spec.local_file()) == _best_guess_weight_name(str(folder))
     shutil.copyfile(B, folder / "pytorch_lora_weights.safetensors")
-    assert os.path.basename(spec.local_file()) == _best_guess_weight_name(str(folder)) == lora.DIFFUSERS_LORA_FILE
+    assert os.path.basename(spec.local_file()) == _best_guess_weight_name(str(folder)) == lora_specs.DIFFUSERS_LORA_FILE
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match=f"LoRA empty: the folder {re.escape(str(empty))} holds no .safetensors"):
-        lora.LoraSpec("empty", str(empty)).check()
+        lora_specs.LoraSpec("empty", str(empty)).check_source()
 
 
 def test_read_errors_name_the_lora(tmp_path):
@@ -232,7 +232,7 @@ def test_read_errors_name_the_lora(tmp_path):
     source, _, _ = _corrupt(tmp_path, "text")
     pipe = load_tiny()
     with pytest.raises(ValueError, match=rf"LoRA broken: {re.escape(source)} is not a readable safetensors file \("):
-        lora.read(pipe, lora.LoraSpec("broken", source))
+        lora.read(pipe, lora_specs.LoraSpec("broken", source))
     (tmp_path / "empty").mkdir()
     with pytest.raises(OSError, match="LoRA gone: cannot read .*empty: Error no file named pytorch_lora_weights"):
-        lora.read(pipe, lora.LoraSpec("gone", str(tmp_path / "empty")))
+        lora.read(pipe, lora_specs.LoraSpec("gone", str(tmp_path / "empty")))

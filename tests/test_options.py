@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TOLERANCE, generate, load_tiny, optimize, tiny_options
+from conftest import ROOT, TOLERANCE, decided, generate, load_tiny, optimize, tiny_options
 
-from aot.blocks import patch_blocks_, rel_error
+from aot.apply import patch_blocks_
+from aot.blocks import rel_error
 from aot.export import compile_blocks
-from aot.fast_paths import Decision, fp8_config, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
-from aot.options import Options, Resolution
+from aot.fp8 import fp8_config
+from aot.options import Options
 from aot.pipeline import load_pipeline
+from aot.plans import Decision, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
+from aot.resolution import Resolution
 
 
 def parse(argv=(), environ=None) -> Options:
@@ -91,10 +94,10 @@ def test_resolution_rule():
     rule = Resolution(512, 1536)
     assert rule.tokens(1024, 1024) == 4096 and rule.tokens(768, 1344) == 48 * 84
     assert rule.token_range == (1024, 9216)
-    rule.check(512, 1536)
+    rule.check_size(512, 1536)
     for height, width, bad in [(496, 512, "height=496"), (512, 1552, "width=1552"), (520, 512, "height=520")]:
         with pytest.raises(ValueError, match=rf"{bad} is not allowed: use a multiple of 16 from 512 to 1536 px$"):
-            rule.check(height, width)
+            rule.check_size(height, width)
     with pytest.raises(ValueError, match="0 < min <= max"):
         Resolution(1024, 512)
 
@@ -140,7 +143,7 @@ def test_explicit_request_that_cannot_run_fails_before_any_work():
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
     with pytest.raises(RuntimeError, match="attention=fa3 cannot run"):
-        compile_blocks(pipe, tiny_options(attention="fa3"))
+        compile_blocks(*decided(pipe, tiny_options(attention="fa3")))
     assert not calls, "the pipeline ran before the request was refused"
     with pytest.raises(RuntimeError, match="cuda_graphs=on cannot run"):
         optimize(pipe, tiny_options(cuda_graphs="on"))
@@ -151,12 +154,12 @@ def capability_checks_pass(monkeypatch, fa3: bool = True):
     """Stand-in for a GPU whose capability checks pass (FA3 loads, FP8 may run): the CPU then really
     runs each trial, and the FA3 and FP8 kernels really fail them. The tiny model's
     layers are narrower than FP8_MIN_FEATURES: lowered so that FP8 is attempted."""
-    from aot import fast_paths
+    from aot import fp8, plans
 
-    monkeypatch.setattr(fast_paths, "FP8_MIN_FEATURES", 16)
+    monkeypatch.setattr(fp8, "FP8_MIN_FEATURES", 16)
     passed = Decision("attention", "fa3" if fa3 else "sdpa", "auto: checks passed")
-    monkeypatch.setattr(fast_paths, "resolve_attention", lambda *args: passed)
-    monkeypatch.setattr(fast_paths, "resolve_fp8", lambda *args: Decision("fp8", "on", "auto"))
+    monkeypatch.setattr(plans, "resolve_attention", lambda *args: passed)
+    monkeypatch.setattr(plans, "resolve_fp8", lambda *args: Decision("fp8", "on", "auto"))
 
 
 @pytest.mark.parametrize(
@@ -181,7 +184,7 @@ def test_the_plan_per_gpu_is_data_keyed_by_compute_capability(capability, plan, 
 
 def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypatch, eager_pipe):
     capability_checks_pass(monkeypatch)
-    compiled = compile_blocks(load_tiny(), tiny_options(plan="9.0"))
+    compiled = compile_blocks(*decided(load_tiny(), tiny_options(plan="9.0")))
     plan, attention, fp8 = compiled.decisions
     assert (plan.value, attention.value, fp8.value) == ("sm_90", "sdpa", "off")
     assert plan.reason.startswith("forced by plan=9.0 on cpu; Hopper"), plan
@@ -196,7 +199,7 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     # checked here, and the walk is the same for every block class: one class is compiled.
     pipe = load_tiny()
     pipe.transformer._repeated_blocks = ["FluxSingleTransformerBlock"]
-    plan, attention, fp8 = compile_blocks(pipe, tiny_options(plan="12.0")).decisions
+    plan, attention, fp8 = compile_blocks(*decided(pipe, tiny_options(plan="12.0"))).decisions
     assert (plan.value, attention.reason) == ("sm_120", "plan sm_120: sdpa")
     walk = r"plan sm_120: tensor failed its trial \(FluxSingleTransformerBlock: .+\) -> bf16"
     assert re.fullmatch(walk, fp8.reason), fp8
@@ -207,12 +210,12 @@ def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, 
     # row-wise FP8 really fails its trial here, as it does on sm_120.
     from torchao.quantization import Int8WeightOnlyConfig
 
-    from aot import blocks, export
+    from aot import apply, compiled, export
 
     capability_checks_pass(monkeypatch, fa3=False)
-    for module in (export, blocks):
+    for module in (export, apply, compiled):
         monkeypatch.setattr(module, "fp8_config", lambda g: Int8WeightOnlyConfig() if g == "tensor" else fp8_config(g))
-    compiled = compile_blocks(load_tiny(), tiny_options(plan="9.0"))
+    compiled = compile_blocks(*decided(load_tiny(), tiny_options(plan="9.0")))
     fp8 = compiled.decisions[2]
     assert fp8.value == "tensor" and compiled.fp8_granularity == "tensor", fp8
     assert re.fullmatch(r"plan sm_90: row failed its trial \(.+\) -> tensor: FluxTransformerBlock .+", fp8.reason)
@@ -227,7 +230,7 @@ def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
     and parameter names as the `nn.Linear` it was, and its exported graph calls the GEMM without the
     bias. On the CPU a bf16 layer stands in for the FP8 one (torchao's FP8 needs compute capability
     8.9); tests/test_gpu.py runs the FP8 layer cuBLASLt refused."""
-    from aot.fast_paths import BiasAfterGEMM
+    from aot.fp8 import BiasAfterGEMM
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32)
@@ -246,7 +249,7 @@ def test_the_rows_each_linear_layer_saw_are_recorded_by_its_name_in_the_block():
     """`fewest_rows`: the GEMM's M (all but the input's last dim) per linear layer, the fewest over the
     calls made inside, by the layer's name in the block; what decides `BiasAfterGEMM` (the FP8 swap
     itself needs a GPU: tests/test_gpu.py)."""
-    from aot.fast_paths import BIAS_AFTER_GEMM_ROWS, fewest_rows
+    from aot.fp8 import BIAS_AFTER_GEMM_ROWS, fewest_rows
 
     block = torch.nn.ModuleDict({"image": torch.nn.Linear(8, 8), "text": torch.nn.Linear(8, 8)})
     with fewest_rows(block) as rows:
@@ -261,7 +264,7 @@ def test_the_rows_each_linear_layer_saw_are_recorded_by_its_name_in_the_block():
 
 def test_only_row_wise_fp8_moves_the_bias_out_of_the_gemm():
     """cuBLASLt's refusal is of row-wise scales; per tensor keeps its bias in the GEMM's epilogue."""
-    from aot.fast_paths import _row_wise
+    from aot.fp8 import _row_wise
 
     assert _row_wise(fp8_config("row")) and not _row_wise(fp8_config("tensor"))
 
@@ -269,9 +272,9 @@ def test_only_row_wise_fp8_moves_the_bias_out_of_the_gemm():
 def test_fp8_on_that_fails_every_trial_raises(monkeypatch):
     capability_checks_pass(monkeypatch, fa3=False)
     with pytest.raises(AssertionError, match="Float8 dynamic quantization requires CUDA"):  # torchao's own check
-        compile_blocks(load_tiny(), tiny_options(fp8="on", plan="9.0"))
+        compile_blocks(*decided(load_tiny(), tiny_options(fp8="on", plan="9.0")))
     with pytest.raises(RuntimeError, match="fp8=on cannot run: plan sm_80 has no FP8"):
-        compile_blocks(load_tiny(), tiny_options(fp8="on", plan="8.0"))
+        compile_blocks(*decided(load_tiny(), tiny_options(fp8="on", plan="8.0")))
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch._inductor import config, cpp_builder
 
-from aot.blocks import bind, rel_error
+from aot.blocks import rel_error
 from aot.export import compile_package
 from aot.overlap import WRAPPER_OBJECT, overlapped
+from aot.runner import bind
 
 
 class Gelu(torch.nn.Module):

@@ -17,13 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, TOLERANCE, generate, load_tiny, optimize, tiny_options
+from conftest import TINY, TOLERANCE, decided, generate, load_tiny, optimize, tiny_options
 from diffusers import FluxTransformer2DModel
 
-from aot import locks, native, packages
+from aot import destinations, loading, locks, portability, saving
 from aot.blocks import rel_error
-from aot.fast_paths import Trials
-from aot.packages import HubRepo, hub_label, hub_repo, load_packages, push_packages, save_packages
+from aot.destinations import HubRepo, hub_label, hub_repo
+from aot.loading import load_packages
+from aot.plans import Trials
+from aot.saving import push_packages, save_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANT = "sdpa-float32-512-1536"  # attention sdpa, float32 weights, default sides: what the CPU compiles
@@ -41,7 +43,8 @@ def test_layout_is_what_spaces_reads_and_holds_no_weights_or_paths(saved):
         [f"config.{VARIANT}.json", *(f"{c}.{VARIANT}" for c in CLASSES)]
     )
     config = (saved / f"config.{VARIANT}.json").read_text()
-    assert json.loads(config)["fingerprint"]["cpu_isa"] == native.isa_built_for(torch.device("cpu"))  # a CPU compile's
+    cpu_isa = portability.isa_built_for(torch.device("cpu"))  # a CPU compile's
+    assert json.loads(config)["fingerprint"]["cpu_isa"] == cpu_isa
     for private in (str(ROOT), str(Path.home()), str(saved), "/tmp/"):
         assert private not in config
     for block in CLASSES:
@@ -68,7 +71,7 @@ pipe = pipeline.load_pipeline(options)
 report = optimize(pipe, options)
 print(report.source)
 np.save({str(tmp_path / "image.npy")!r}, generate(pipe, 768, 512).numpy())
-print("ISA probes:", valid_vec_isa_list.cache_info().misses)  # a warm start needs none (blocks.load_runner)
+print("ISA probes:", valid_vec_isa_list.cache_info().misses)  # a warm start needs none (runner.load_runner)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -148,10 +151,10 @@ BREAKAGES = {
 
 
 def test_packages_that_need_no_vector_extension_load_on_this_cpu(copy):
-    # "" is what a CUDA compile records on x86-64 Linux (native.isa_built_for).
-    assert native.isa_problem("") is None
+    # "" is what a CUDA compile records on x86-64 Linux (portability.isa_built_for).
+    assert portability.isa_problem("") is None
     _edit_fingerprint(copy, cpu_isa="")
-    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert compiled.fingerprint["cpu_isa"] == ""
 
@@ -230,7 +233,7 @@ def test_symbolic_links_inside_the_folder_are_refused_unread(copy, tmp_path, lin
         shown = config.name
     unread = _never_read(target)
     with caplog.at_level(logging.DEBUG):
-        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+        compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is None
     assert reason == f"{shown} is a symbolic link; only regular files inside the folder are read"
     assert unread(), f"{target} was read"
@@ -255,7 +258,7 @@ def test_block_names_in_the_config_must_be_the_models_classes(copy, tmp_path, ki
     else:
         _edit_config(copy, lambda c: c["blocks"].pop("FluxSingleTransformerBlock"))
     unread = _never_read(outside / "package.pt2")
-    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is None
     assert reason.startswith(f"config.{VARIANT}.json lists block classes [")
     assert reason.endswith("this model's repeated blocks are ['FluxSingleTransformerBlock', 'FluxTransformerBlock']")
@@ -306,20 +309,20 @@ def test_a_malformed_config_is_one_reason_line_never_a_traceback(copy, kind):
         path.write_text(json.dumps(edit))
     else:
         _edit_config(copy, edit)
-    compiled, got = load_packages(str(copy), load_tiny(), tiny_options())
+    compiled, got = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is None and reason in got and "\n" not in got, got
     with pytest.raises(RuntimeError, match=re.escape(reason)):  # strict: the same reason, raised
         optimize(load_tiny(), tiny_options(load=str(copy), strict=True))
 
 
 def test_packages_for_other_options_or_another_model_are_refused(saved):
-    _, reason = load_packages(str(saved), load_tiny(), tiny_options(max_side=1024))
+    _, reason = load_packages(str(saved), *decided(load_tiny(), tiny_options(max_side=1024)))
     assert f"no config.sdpa-float32-512-1024.json in {saved} (found: config.{VARIANT}.json)" == reason
     pipe = load_tiny()
     config = dict(pipe.transformer.config)
     config["num_attention_heads"] = 4
     pipe.transformer = FluxTransformer2DModel.from_config(config)
-    compiled, reason = load_packages(str(saved), pipe, tiny_options())
+    compiled, reason = load_packages(str(saved), *decided(pipe, tiny_options()))
     assert compiled is None and "FluxTransformerBlock weights differ" in reason
 
 
@@ -331,15 +334,15 @@ def test_interrupted_save_leaves_the_previous_packages_usable(saved, copy, compi
     script = f"""
 import os, pickle, sys
 sys.path.insert(0, {str(ROOT)!r})
-from aot import packages
-write = packages._write
-packages._write = lambda path, data: os._exit(9) if path.name.startswith("config") else write(path, data)
-packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
+from aot import saving
+write = saving._write
+saving._write = lambda path, data: os._exit(9) if path.name.startswith("config") else write(path, data)
+saving.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 9, done.stderr[-2000:]
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
-    assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None
+    assert load_packages(str(copy), *decided(load_tiny(), tiny_options()))[0] is not None
     save_packages(compiled, copy)  # the next save cleans up what the killed one left
     assert _beside(copy) == []
 
@@ -347,7 +350,7 @@ packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(c
 def test_save_stopped_between_its_two_renames_is_recovered(copy):
     old = copy.with_name(".packages.old-0123abcd")
     os.rename(copy, old)  # where a kill between the renames leaves the previous set
-    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert copy.is_dir() and not old.exists()
 
@@ -417,9 +420,9 @@ def test_a_read_only_folder_is_refused_without_leftovers(saved, compiled, copy, 
     script = f"""
 import pickle, sys
 sys.path.insert(0, {str(ROOT)!r})
-from aot import packages
+from aot import saving
 try:
-    packages.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
+    saving.save_packages(pickle.loads(open({str(pickled)!r}, "rb").read()), {str(copy)!r})
 except RuntimeError as exc:
     print(exc)
 """
@@ -458,7 +461,7 @@ def test_a_failed_swap_leaves_the_folder_as_it_was(copy, compiled, monkeypatch):
     # The first rename fails for real: an immutable folder, with the check before it skipped.
     with _immutable(copy):
         with pytest.raises(PermissionError):
-            packages._swap(copy, lambda staging: (staging / "new").write_text("x"))
+            saving._swap(copy, lambda staging: (staging / "new").write_text("x"))
     assert _files(copy) == before and _beside(copy) == []
 
 
@@ -479,7 +482,7 @@ def test_leftovers_of_dead_saves_are_cleaned_on_load_whatever_pid_they_name(copy
     (outside / "keep").write_text("not ours")
     link = copy.with_name(f".packages.old-{pid}-deadbeef")
     link.symlink_to(outside, target_is_directory=True)
-    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert not any(os.path.lexists(p) for p in (staging, old, legacy, link))
     assert (outside / "keep").read_text() == "not ours", "a link was followed"
@@ -489,7 +492,7 @@ def test_leftovers_of_dead_saves_are_cleaned_on_load_whatever_pid_they_name(copy
 def test_a_save_stopped_between_its_renames_with_the_same_pid_is_restored(copy):
     # The same container restart: the previous set sits as .old-<this PID>-*, the folder is missing.
     os.rename(copy, copy.with_name(f".packages.old-{os.getpid()}-0123abcd"))
-    compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+    compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert copy.is_dir() and _beside(copy) == []
 
@@ -500,7 +503,7 @@ def test_what_a_save_under_way_has_beside_it_stays(copy):
     live = copy.with_name(".packages.staging-live")
     live.mkdir()
     with locks.holding(copy.with_name(".packages.lock")):
-        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+        compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert _beside(copy) == [live.name]
 
@@ -519,8 +522,8 @@ import logging, sys
 from pathlib import Path
 sys.path.insert(0, {str(ROOT)!r})
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
-from aot import packages
-packages._tidy(Path({str(folder)!r}))
+from aot import saving
+saving._tidy(Path({str(folder)!r}))
 """
     command = [sys.executable, "-c", script]
     if os.geteuid() == 0:
@@ -536,7 +539,7 @@ packages._tidy(Path({str(folder)!r}))
     assert f"removed {leftover}" not in done.stdout, done.stdout
     assert leftover.is_dir()
     with caplog.at_level(logging.INFO, logger="packages"):
-        packages._tidy(folder)  # writable now: removed, and said so
+        saving._tidy(folder)  # writable now: removed, and said so
     assert not leftover.exists()
     assert [r.getMessage() for r in caplog.records] == [f"removed {leftover}, left by an interrupted save"]
 
@@ -545,10 +548,10 @@ def test_a_relative_folder_stopped_between_the_renames_is_still_local(saved, tmp
     # Before: rel/pk was missing, so `rel/pk` was taken for a Hub repo id.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rel").mkdir()
-    assert packages.hub_repo("rel/pk") is not None  # nothing there: owner/name is a Hub repo
+    assert destinations.hub_repo("rel/pk") is not None  # nothing there: owner/name is a Hub repo
     shutil.copytree(saved, tmp_path / "rel" / ".pk.old-0123abcd")
-    assert packages.hub_repo("rel/pk") is None
-    compiled, reason = load_packages("rel/pk", load_tiny(), tiny_options())
+    assert destinations.hub_repo("rel/pk") is None
+    compiled, reason = load_packages("rel/pk", *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert compiled.source == "loaded from rel/pk"
     assert (tmp_path / "rel" / "pk").is_dir() and _beside(tmp_path / "rel" / "pk") == []
@@ -558,7 +561,7 @@ def test_packages_of_another_size_range_live_beside(saved, compiled, copy):
     other = dataclasses.replace(compiled, fingerprint={**compiled.fingerprint, "sizes": [512, 1024, 16]})
     save_packages(other, copy)
     assert (copy / "config.sdpa-float32-512-1024.json").is_file()
-    assert load_packages(str(copy), load_tiny(), tiny_options())[0] is not None  # 512..1536 still there
+    assert load_packages(str(copy), *decided(load_tiny(), tiny_options()))[0] is not None  # 512..1536 still there
 
 
 def test_push_to_the_hub_offline_fails_in_one_line_before_loading_anything(tmp_path):
@@ -608,7 +611,7 @@ def test_the_report_names_the_commit_loaded_from_the_hub():
 
 def test_a_push_with_a_revision_is_refused():
     with pytest.raises(RuntimeError, match=r"push to owner/name; a revision \(@\.\.\.\) is for --load only"):
-        packages.check_push_target("owner/name@main")
+        destinations.check_push_target("owner/name@main")
 
 
 @pytest.mark.parametrize("writable", [None, "folder", "block folder", "package"])
@@ -622,7 +625,7 @@ def test_packages_others_can_write_are_loaded_with_a_warning(copy, caplog, writa
         path, mode = changed[writable]
         path.chmod(mode)
     with caplog.at_level(logging.WARNING, logger="packages"):
-        compiled, reason = load_packages(str(copy), load_tiny(), tiny_options())
+        compiled, reason = load_packages(str(copy), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     warnings = [r.getMessage() for r in caplog.records if "can be written by group or other users" in r.getMessage()]
     if writable is None:
@@ -649,21 +652,21 @@ def test_hub_cache_links_are_followed_only_inside_the_cache(tmp_path):
     (snapshot / "Block.v" / "package.pt2").symlink_to("../../../blobs/e2")
     (tmp_path / "secret").write_bytes(b"secret")
     (snapshot / "out.json").symlink_to(tmp_path / "secret")
-    with packages._open_inside(snapshot, "config.json", cache) as f:
+    with loading._open_inside(snapshot, "config.json", cache) as f:
         assert f.read() == b"config"
-    with packages._open_inside(snapshot, "Block.v/package.pt2", cache) as f:
+    with loading._open_inside(snapshot, "Block.v/package.pt2", cache) as f:
         assert f.read() == b"package"
-    with pytest.raises(packages.Refused, match=f"out.json is a link out of the Hub cache {cache}"):
-        packages._open_inside(snapshot, "out.json", cache)
-    with pytest.raises(packages.Refused, match="config.json is a symbolic link"):
-        packages._open_inside(snapshot, "config.json")  # a local folder: no link is followed
+    with pytest.raises(loading.Refused, match=f"out.json is a link out of the Hub cache {cache}"):
+        loading._open_inside(snapshot, "out.json", cache)
+    with pytest.raises(loading.Refused, match="config.json is a symbolic link"):
+        loading._open_inside(snapshot, "config.json")  # a local folder: no link is followed
 
 
 def test_push_to_a_local_folder_then_load_from_it(saved, tmp_path):
     target = tmp_path / "hub-stand-in"
     assert push_packages(saved, str(target)) == str(target)
     push_packages(saved, str(target))  # pushing again replaces the same variant
-    compiled, reason = load_packages(str(target), load_tiny(), tiny_options())
+    compiled, reason = load_packages(str(target), *decided(load_tiny(), tiny_options()))
     assert compiled is not None, reason
     assert compiled.source == f"loaded from {target}"
 

@@ -27,7 +27,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 from PIL import Image
 
-from aot.blocks import OWNER_MARK, load_runner, remove_stale_extractions
+from aot.runner import OWNER_MARK, load_runner, remove_stale_extractions
 from aot.server import weight_bytes
 from aot.zerogpu_limits import LARGE_MAX_BYTES, size_advice
 
@@ -259,7 +259,7 @@ def test_package_folders_left_by_a_killed_process_are_removed(compiled, tmp_path
     script = f"""
 import os, signal, sys
 sys.path.insert(0, {str(ROOT)!r})
-from aot.blocks import _mapped_extractions, load_runner
+from aot.runner import _mapped_extractions, load_runner
 runner = load_runner(open({str(package)!r}, "rb").read())
 print(*_mapped_extractions(), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -282,13 +282,13 @@ def test_the_sweep_skips_a_folder_another_process_removes_meanwhile(tmp_path, mo
     # Three workers loading at once: one swept /tmp while another's folder vanished, and glob raised
     # FileNotFoundError into the request. Stand-in for the other process: after the sweep lists the
     # folders, the first one is removed (os.scandir wrapped, here only); a dead owner's folder goes.
-    from aot import blocks
+    from aot import runner
 
     gone, stale = tmp_path / "gone", tmp_path / "stale"
     for folder in (gone, stale):
         folder.mkdir()
     (stale / OWNER_MARK).touch()  # nobody holds its lock: its process is gone
-    monkeypatch.setattr(blocks, "EXTRACT_ROOT", tmp_path)
+    monkeypatch.setattr(runner, "EXTRACT_ROOT", tmp_path)
     listing = os.scandir
 
     def listed_then_removed(path):

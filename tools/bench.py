@@ -15,7 +15,7 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     ready s      compile: regional compile from scratch (* = second compile in its process);
                  warm start: load + verify + apply the saved packages and run the first step
     ISA probe s  the wait for torch's CPU ISA probe before the first compile of a process where the
-                 compile needs it (on a CPU; native.needs_probe), - on CUDA; a Space runs it
+                 compile needs it (on a CPU; portability.needs_probe), - on CUDA; a Space runs it
                  while loading the weights; not part of ready s
     peak GiB     peak allocated GPU memory during that generation
     kernels      where one plain step's GPU time goes (CUDA only, torch.profiler): attention, GEMM and
@@ -67,17 +67,13 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from aot import native
-from aot.blocks import (
-    Report,
-    forward_signature,
-    rel_error,
-    repeated_blocks,
-    unpatch_forward,
-)
+from aot import portability
+from aot.blocks import forward_signature, rel_error, repeated_blocks, unpatch_forward
+from aot.compiled import Report
 from aot.export import capture, capture_blocks
-from aot.families import family, latent_channels, with_latent_channels
+from aot.families import family
 from aot.graphs import GraphedStep, graph_step_
+from aot.model_config import latent_channels, with_latent_channels
 from aot.options import Options
 from aot.pipeline import load_pipeline
 
@@ -476,14 +472,14 @@ def build(args, load: str | None = None):
     """The pipeline to measure, loaded as `load_pipeline` loads it: with the CPU ISA probe a compile
     for a CPU needs running beside, unless packages are to be loaded from `load` (a warm start)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    probe = not load and native.needs_probe(torch.device(device))
+    probe = not load and portability.needs_probe(torch.device(device))
     if args.family:
         if probe:
-            native.probe_in_background()
+            portability.probe_in_background()
         return family_pipeline(args.family, device, args.layers, args.heads)
     if args.model == RANDOM:
         if probe:
-            native.probe_in_background()
+            portability.probe_in_background()
         return random_flux_dev(device)
     return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
@@ -522,9 +518,9 @@ def worker(names: list[str], args) -> None:
                 options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
                 if name == "all":
                     options = dataclasses.replace(options, save=str(work / "packages"))
-                if native.needs_probe(pipe.transformer.device):
+                if portability.needs_probe(pipe.transformer.device):
                     start = time.perf_counter()
-                    native.probe_in_background().join()  # once per process; a Space overlaps it with the weights
+                    portability.probe_in_background().join()  # once per process; a Space overlaps it with the weights
                     row["isa_probe_s"] = time.perf_counter() - start
                 start = time.perf_counter()
                 report = start_space(pipe, options)
@@ -619,7 +615,7 @@ def lora_switching(args) -> dict:
     """A rank-16 LoRA switched per request on the template's default path (every fast path auto,
     CUDA graphs): its latents against eager + the same LoRA through peft, the step with and without
     it, and the seconds `lora.Adapters.use` takes (the first switch copies the base)."""
-    from aot import lora
+    from aot import lora, lora_specs
 
     work = Path(args.work)
     pipe = build(args)
@@ -628,14 +624,14 @@ def lora_switching(args) -> dict:
     pipe.load_lora_weights(str(source), adapter_name="random")
     _, reference = generate(pipe, args.size, args.steps)  # eager + peft's LoRA layers
     pipe.unload_lora_weights()  # plain layers again, base weights untouched (nothing was fused)
-    if native.needs_probe(pipe.transformer.device):
-        native.probe_in_background().join()
+    if portability.needs_probe(pipe.transformer.device):
+        portability.probe_in_background().join()
     start = time.perf_counter()
     report = start_space(pipe, Options.from_env())
     row["ready_s"] = time.perf_counter() - start
     row["decisions"] = [str(d) for d in report.decisions]
     fp8 = report.compiled.fp8_config
-    adapters = lora.Adapters(pipe, [lora.LoraSpec("random", str(source))], fp8)
+    adapters = lora.Adapters(pipe, [lora_specs.LoraSpec("random", str(source))], fp8)
     kwargs = step_inputs(pipe, args.size)  # the first step at this size captures its CUDA graph
     with torch.no_grad():
         row["base_step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))

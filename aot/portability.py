@@ -21,7 +21,7 @@ the GPU kernels. Three things decide which machines can run it:
 
 `compile_scope` is where packages are compiled; `isa_built_for` and `runtimes_needed` are what their
 fingerprint records, and `isa_problem` and `runtime_problem` the checks before a load
-(`packages.load_packages`).
+(`loading.load_packages`).
 """
 
 from __future__ import annotations
@@ -112,9 +112,13 @@ def precompile_headers(device: torch.device) -> list[str]:
     logged, not raised: the compile meets the same problem and raises it.
     """
     try:
-        from torch._inductor import codecache, config
-        from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions, _set_gpu_runtime_env
-        from torch._inductor.cpu_vec_isa import invalid_vec_isa, pick_vec_isa
+        from torch._inductor import codecache, config  # heavy: at first use
+        from torch._inductor.cpp_builder import (  # heavy: at first use
+            CppBuilder,
+            CppTorchDeviceOptions,
+            _set_gpu_runtime_env,
+        )
+        from torch._inductor.cpu_vec_isa import invalid_vec_isa, pick_vec_isa  # heavy: at first use
 
         if not config.aot_inductor.precompile_headers or config.aot_inductor.package_cpp_only:
             return []
@@ -163,14 +167,16 @@ def portable_compiler() -> str | None:
     """
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return None
-    from torch._inductor import cpp_builder
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor import cpp_builder  # heavy: at first use
+    from torch._inductor.runtime.cache_dir_utils import (  # heavy: at first use
+        cache_dir,
+    )
 
     found = cpp_builder.get_cpp_compiler()  # called before any compile_scope patches it (this is cached)
     compiler = shutil.which(found) or found
     script = (
         "#!/bin/sh\n"
-        "# aot/native.py: Inductor's C++ compiler, with -march=x86-64 last (the last -march wins)\n"
+        "# aot/portability.py: Inductor's C++ compiler, with -march=x86-64 last (the last -march wins)\n"
         f'exec {shlex.quote(compiler)} "$@" {" ".join(PORTABLE_FLAGS)}\n'
     )
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
@@ -203,7 +209,9 @@ def isa_built_for(device: torch.device) -> str:
       e.g. `avx2 avx512 avx512_vnni`: the probe picks the widest of them that builds, and the
       kernels need it.
     """
-    from torch._inductor.cpu_vec_isa import x86_isa_checker
+    from torch._inductor.cpu_vec_isa import (  # heavy: at first use
+        x86_isa_checker,
+    )
 
     if not needs_probe(device) and portable_compiler() is not None:
         return ""
@@ -219,7 +227,9 @@ def isa_problem(cpu_isa: str) -> str | None:
     `x86_isa_checker()`, which asks the CPU (under a millisecond; no test builds). Other
     architectures have no finer names than the architecture, which the fingerprint compares.
     """
-    from torch._inductor.cpu_vec_isa import x86_isa_checker
+    from torch._inductor.cpu_vec_isa import (  # heavy: at first use
+        x86_isa_checker,
+    )
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
@@ -316,9 +326,11 @@ def probe_in_background() -> threading.Thread:
     (`cpu_vec_isa.pick_vec_isa`). Torch finds the ISA by building and loading test programs, each
     load in a child Python (see BENCHMARKS.md), so `load_pipeline` starts it beside loading the
     weights when it will compile for a CPU; `compile_scope` joins it. Loading a package does not
-    need it (`blocks.load_runner`).
+    need it (`runner.load_runner`).
     """
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    from torch._inductor.cpu_vec_isa import (  # heavy: at first use
+        valid_vec_isa_list,
+    )
 
     global _probe
     if _probe is None:

@@ -1,4 +1,4 @@
-"""What a package's native code asks of the CPU (aot/native.py): a CUDA compile starts no probe and
+"""What a package's native code asks of the CPU (aot/portability.py): a CUDA compile starts no probe and
 picks no vector ISA, no compile targets more than the x86-64 baseline, and what a package's machine
 code needs is what its fingerprint records."""
 
@@ -17,9 +17,10 @@ import torch
 from conftest import TOLERANCE, load_tiny
 from torch._inductor import config
 
-from aot import native
-from aot.blocks import bind, rel_error, repeated_blocks
+from aot import portability
+from aot.blocks import rel_error, repeated_blocks
 from aot.export import capture_blocks, compile_package, export_block
+from aot.runner import bind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs on CUDA here
@@ -35,18 +36,18 @@ sys.path.insert(0, {ROOT!r})
 import torch
 from torch._inductor import config
 from torch._inductor.cpu_vec_isa import InvalidVecISA, pick_vec_isa, valid_vec_isa_list
-from aot import native
+from aot import portability
 cuda = torch.device("cuda")
-assert not native.needs_probe(cuda)
-with native.compile_scope(cuda):
+assert not portability.needs_probe(cuda)
+with portability.compile_scope(cuda):
     pass  # its header thread runs and is joined: it must not settle the vector ISA for this process
 assert valid_vec_isa_list.cache_info().misses == 0, "an empty CUDA scope fixed the vector ISA (torch keeps it)"
 start = time.perf_counter()
-with native.compile_scope(cuda):
+with portability.compile_scope(cuda):
     assert config.cpp.vec_isa_ok is False and config.cpp.simdlen == 0
     assert isinstance(pick_vec_isa(), InvalidVecISA), pick_vec_isa()
 seconds = time.perf_counter() - start
-assert native._probe is None, "a probe was started"
+assert portability._probe is None, "a probe was started"
 assert not [t for t in threading.enumerate() if t.name == "probe-cpu-isa"]
 assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None, "config not restored"
 print(f"no probe: {{seconds:.3f}} s")
@@ -62,9 +63,9 @@ print(f"no probe: {{seconds:.3f}} s")
 
 
 def test_a_cpu_compile_joins_the_probe_with_the_config_as_it_was():
-    assert native.needs_probe(CPU) and not native.needs_probe(CUDA)
-    with native.compile_scope(CPU):
-        assert native._probe is not None and not native._probe.is_alive(), "the probe was not joined"
+    assert portability.needs_probe(CPU) and not portability.needs_probe(CUDA)
+    with portability.compile_scope(CPU):
+        assert portability._probe is not None and not portability._probe.is_alive(), "the probe was not joined"
         assert config.cpp.vec_isa_ok is None and config.cpp.simdlen is None
 
 
@@ -109,7 +110,7 @@ X86_LINUX = pytest.mark.skipif(
 def test_the_portable_compiler_targets_the_x86_64_baseline_whatever_inductor_asks():
     """gcc's own answer, not an instruction count: the macros it predefines for `-march=native`
     (Inductor's flag) through the wrapper are the baseline's, and the wrapper compiles."""
-    compiler = native.portable_compiler()
+    compiler = portability.portable_compiler()
     assert compiler is not None and os.access(compiler, os.X_OK)
     assert os.path.basename(compiler) in ("g++", "c++", "clang++") or "g++" in os.path.basename(compiler)
 
@@ -130,16 +131,16 @@ def test_the_portable_compiler_targets_the_x86_64_baseline_whatever_inductor_ask
 
 def test_the_scope_sets_the_compiler_and_restores_it():
     before = config.cpp.cxx
-    with native.compile_scope(CUDA):
-        if native.portable_compiler() is not None:
-            assert config.cpp.cxx == (None, native.portable_compiler())
+    with portability.compile_scope(CUDA):
+        if portability.portable_compiler() is not None:
+            assert config.cpp.cxx == (None, portability.portable_compiler())
     assert config.cpp.cxx == before
 
 
 @X86_LINUX
 def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it_uses(compiled, tmp_path):
     """How "a package saved on one machine loads on another x86-64 CPU" is checked here: it may run
-    on any CPU with every extension its fingerprint records (native.isa_problem), so the record must
+    on any CPU with every extension its fingerprint records (portability.isa_problem), so the record must
     cover every extension its machine code uses.
 
     The block is compiled with the CUDA setting forced (test-only: `compile_scope(cuda)` around a
@@ -156,7 +157,7 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
     (calls,) = capture_blocks(pipe, {BLOCK: block}, [(512, 512)])
     kwargs = calls[BLOCK][1]
     exported = export_block(block, kwargs, compiled.packages[BLOCK].contract)
-    with native.compile_scope(CUDA):
+    with portability.compile_scope(CUDA):
         package = compile_package(exported)
     runner, _ = bind(package, block)
     with torch.no_grad():
@@ -164,9 +165,9 @@ def test_a_cuda_package_needs_no_cpu_extension_and_a_cpu_package_records_what_it
 
     used = vector_instructions(package, tmp_path)
     assert used == Counter(), f"a package for CUDA uses {dict(used)}: more than the x86-64 baseline"
-    assert native.isa_built_for(CUDA) == ""
+    assert portability.isa_built_for(CUDA) == ""
 
-    recorded = native.isa_built_for(CPU).split()
+    recorded = portability.isa_built_for(CPU).split()
     assert compiled.fingerprint["cpu_isa"] == " ".join(recorded)
     probed = vector_instructions(compiled.packages[BLOCK].package, tmp_path)
     if probed["avx512"]:
@@ -191,7 +192,7 @@ def objdump_versions(package: bytes, prefix: str, tmp_path) -> list[tuple[int, .
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the runtime library checks are glibc's and libstdc++'s")
 def test_the_recorded_runtimes_are_the_newest_versions_the_packages_link_against(compiled, tmp_path):
     """What `objdump -T` lists as the packages' glibc and libstdc++ symbol versions (a reading
-    independent of `native.runtimes_needed`'s), the newest across the packages, is what the
+    independent of `portability.runtimes_needed`'s), the newest across the packages, is what the
     fingerprint records; a machine with older libraries refuses them before any load, naming both
     versions, and a malformed record is refused as such."""
     if shutil.which("objdump") is None:
@@ -200,18 +201,19 @@ def test_the_recorded_runtimes_are_the_newest_versions_the_packages_link_against
         found = [v for p in compiled.packages.values() for v in objdump_versions(p.package, prefix, tmp_path)]
         expected = ".".join(map(str, max(found))) if found else ""
         assert compiled.fingerprint[runtime] == expected, runtime
-        assert native.runtime_problem(runtime, expected) is None  # built here: loads here
+        assert portability.runtime_problem(runtime, expected) is None  # built here: loads here
     assert compiled.fingerprint["glibc"], "no glibc symbol version found"
     here = platform.libc_ver()[1]
-    assert native.runtime_here("glibc") == here
-    assert native.runtime_problem("glibc", here + ".0") is None  # 2.36.0 is 2.36
+    assert portability.runtime_here("glibc") == here
+    assert portability.runtime_problem("glibc", here + ".0") is None  # 2.36.0 is 2.36
     major, minor = map(int, here.split("."))
     newer = f"{major}.{minor + 1}"
-    assert native.runtime_problem("glibc", newer) == (
+    assert portability.runtime_problem("glibc", newer) == (
         f"the packages need glibc {newer} (they were built on a newer system); this machine has {here}"
     )
-    assert native.runtime_problem("glibc", "2.9") is None and native.runtime_problem("glibc", "2.100") is not None
-    assert native.runtime_problem("glibc", "abc") == "the packages record glibc 'abc', which is not a version"
+    assert portability.runtime_problem("glibc", "2.9") is None
+    assert portability.runtime_problem("glibc", "2.100") is not None
+    assert portability.runtime_problem("glibc", "abc") == "the packages record glibc 'abc', which is not a version"
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="libstdc++ as this process loaded it")
@@ -227,22 +229,22 @@ def test_this_machines_libstdcxx_is_the_one_this_process_loaded(tmp_path):
     for path in paths:
         listing = subprocess.run(["objdump", "-p", path], capture_output=True, text=True, check=True).stdout
         defined |= {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBCXX_([\d.]+)", listing)}
-    assert native.runtime_here("glibcxx") == ".".join(map(str, max(defined)))
+    assert portability.runtime_here("glibcxx") == ".".join(map(str, max(defined)))
 
 
 @X86_LINUX
 def test_the_compiler_wrapper_is_rewritten_unless_it_is_exactly_ours():
     """A wrapper left at the path with anything else in it (another version's, or planted) is not run."""
-    path = native.portable_compiler()
+    path = portability.portable_compiler()
     ours = open(path).read()
     try:
         with open(path, "w") as f:
             f.write('#!/bin/sh\nexec g++ "$@"\n')  # the portable flags gone
-        native.portable_compiler.cache_clear()
-        assert native.portable_compiler() == path
-        assert open(path).read() == ours and " ".join(native.PORTABLE_FLAGS) in ours
+        portability.portable_compiler.cache_clear()
+        assert portability.portable_compiler() == path
+        assert open(path).read() == ours and " ".join(portability.PORTABLE_FLAGS) in ours
     finally:
-        native.portable_compiler.cache_clear()
+        portability.portable_compiler.cache_clear()
 
 
 @X86_LINUX
@@ -255,14 +257,14 @@ def test_no_wrapper_where_its_path_would_make_inductor_read_gcc_as_clang(tmp_pat
     if cpp_builder._is_clang(cpp_builder.get_cpp_compiler()):
         pytest.skip("the compiler here is clang: its path names it anyway")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "clang-builds"))
-    native.portable_compiler.cache_clear()
+    portability.portable_compiler.cache_clear()
     try:
-        assert native.portable_compiler() is None
-        assert native.isa_built_for(CUDA) == " ".join(torch._inductor.cpu_vec_isa.x86_isa_checker())
+        assert portability.portable_compiler() is None
+        assert portability.isa_built_for(CUDA) == " ".join(torch._inductor.cpu_vec_isa.x86_isa_checker())
     finally:
         monkeypatch.undo()
-        native.portable_compiler.cache_clear()
-    assert native.portable_compiler() is not None
+        portability.portable_compiler.cache_clear()
+    assert portability.portable_compiler() is not None
 
 
 def test_the_headers_built_ahead_are_the_ones_a_package_compile_uses(tmp_path, monkeypatch):
@@ -280,9 +282,9 @@ def test_the_headers_built_ahead_are_the_ones_a_package_compile_uses(tmp_path, m
     exported = torch.export.export(module, (x,))
     codecache._precompile_header.cache_clear()  # Inductor keeps each header's path per process
     try:
-        with native.compile_scope(CPU):
+        with portability.compile_scope(CPU):
             package = compile_package(exported)
-            ahead = native.precompile_headers(CPU)  # built by now: returns their paths at once
+            ahead = portability.precompile_headers(CPU)  # built by now: returns their paths at once
     finally:
         codecache._precompile_header.cache_clear()  # later compiles must not get this test's folder
     assert len(ahead) == 2, ahead  # a CPU package: the wrapper's header and the kernels' (cpp_prefix.h)

@@ -1,39 +1,28 @@
-"""The fast paths: FlashAttention-3 and FP8 inside the compiled blocks, CUDA graphs around the step,
-each resolved to a `Decision`, in the order the GPU's `Plan` gives (`PLANS`, keyed by compute
-capability; `export.compile_blocks` runs each step as a trial and walks to the next on failure).
+"""The decision: which fast paths the blocks try on this GPU, in what order, and why, worked out once.
+
+FlashAttention-3 and FP8 inside the compiled blocks (fa3.py, fp8.py), CUDA graphs around the step
+(graphs.py): each resolved to a `Decision`, in the order the GPU's `Plan` gives (`PLANS`, keyed by
+compute capability). `Trials.resolve` holds the whole decision; `export.compile_blocks` walks it,
+running each step as a trial that falls back to the next, and `loading.load_packages` looks for the
+packages a compile would make; neither reads the options again.
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
 that cannot run raises with what is missing. Off Hopper (an RTX Pro 6000 Blackwell on ZeroGPU, an
 A100, an L40S) attention is torch's SDPA, which picks its fastest kernel for the GPU at hand.
-Nothing here runs at import: capability probes and kernel loads happen inside
-`export.compile_blocks` and at a compiled block's first call, in the GPU worker on ZeroGPU
-(zerogpu.py says what runs where).
+Nothing here runs at import: capability probes and kernel loads happen inside `Trials.resolve`
+and at a compiled block's first call, in the GPU worker on ZeroGPU (zerogpu.py says what runs where).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
 
 import torch
 
-from aot.families import attention_head_dim
+from aot.fa3 import load_fa3
+from aot.model_config import attention_head_dim
 from aot.options import Options
 from aot.zerogpu_limits import ON_ZEROGPU
-
-# An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
-# in bf16 (FP8 has 3 mantissa bits: a few percent is its normal cost; NaN or noise is far above).
-FP8_MAX_REL_ERROR = 1e-1
-# Linear layers FP8 pays off for: both dims multiples of 16 (FP8 GEMM alignment) and at least this
-# wide; smaller ones stay in bf16 and are counted in the report.
-FP8_MIN_FEATURES = 256
-# A row-wise FP8 layer with a bias adds it after its GEMM (`BiasAfterGEMM`) where some captured call
-# gave it this many input rows or fewer: cuBLASLt refuses such a GEMM at 1..32 rows (BiasAfterGEMM's
-# docstring); the margin covers a prompt shorter than the captures'. Elsewhere the bias stays in the
-# GEMM's epilogue: moving it out cost FLUX.1-dev and Chroma 4-6 ms a step (H200, BENCHMARKS.md).
-BIAS_AFTER_GEMM_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -80,7 +69,7 @@ def plan_for(capability: tuple[int, int] | None) -> Plan:
     for low, high, plan in PLANS:
         if low <= capability <= high:
             return plan
-    raise ValueError(f"no plan for compute capability {'.'.join(map(str, capability))}: fast_paths.PLANS")
+    raise ValueError(f"no plan for compute capability {'.'.join(map(str, capability))}: plans.PLANS")
 
 
 def forced_plan(options: Options) -> Plan | None:
@@ -103,65 +92,96 @@ def resolve_plan(options: Options, device: torch.device) -> tuple[Plan, Decision
     return plan, Decision("plan", plan.name, f"forced by plan={options.plan} on {gpu}; {plan.why}")
 
 
-def attention_steps(
-    options: Options, plan: Plan, transformer: torch.nn.Module, device: torch.device
-) -> tuple[list[str], list[str]]:
+@dataclass(frozen=True)
+class Walk:
+    """One fast path's trials, decided once: what was asked, what to try in order, and how the
+    decision it ends in reads. The compile path walks `steps` (`export.compile_blocks`), the load
+    path looks for a package of each (`loading.load_packages`); neither reads the options again.
+
+    name: "attention" or "fp8"; asked: the option as given ("auto", "fa3", "sdpa"; "auto", "on",
+    "off"); steps: what to try, in order (attention kernels; FP8 granularities, bf16 after them);
+    origin: what chose the steps ("plan sm_90", "requested", "fp8_granularity=row"); notes: the
+    plan's steps left out, each with why; off: why there are no steps (fp8 off); required: asked
+    for explicitly (`fp8=on`): a failed last step raises, and no error bound sends a block back to bf16.
+    """
+
+    name: str
+    asked: str
+    steps: tuple[str, ...]
+    origin: str
+    notes: tuple[str, ...] = ()
+    off: str = ""
+    required: bool = False
+
+    def decision(self, value: str, walked: list[str]) -> Decision:
+        """The decision the walk ended in: `value`, reasoned by the notes and the steps `walked`
+        (each step's note, in order), or by `off` where there were no steps."""
+        reason = f"{self.origin}: " + " -> ".join([*self.notes, *walked]) if self.steps else self.off
+        return Decision(self.name, value, reason, self.asked)
+
+
+def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, device: torch.device) -> Walk:
     """The attention kernels to trial, in order (the plan's with `auto`, else the one asked for),
-    and a note for each of the plan's kernels left out: FA3 only where `resolve_attention`'s checks
+    with a note for each of the plan's kernels left out: FA3 only where `resolve_attention`'s checks
     pass (Hopper, dtype, head dim, a kernel that loads).
 
     Raises:
         RuntimeError: `attention=fa3` was asked for and cannot run (`resolve_attention`).
     """
     if options.attention != "auto":
-        return [resolve_attention(options, transformer, device).value], []
+        kernel = resolve_attention(options, transformer, device).value
+        return Walk("attention", options.attention, (kernel,), "requested")
     kernels, skipped = list(plan.attention), []
     if "fa3" in kernels:
         checked = resolve_attention(options, transformer, device)
         if checked.value != "fa3":
             kernels.remove("fa3")
             skipped.append(f"fa3 skipped ({checked.reason.removeprefix('auto: ')})")
-    return kernels or ["sdpa"], skipped
+    return Walk("attention", "auto", tuple(kernels or ["sdpa"]), f"plan {plan.name}", tuple(skipped))
 
 
-def fp8_steps(options: Options, plan: Plan, device: torch.device) -> tuple[list[str], str]:
+def fp8_walk(options: Options, plan: Plan, device: torch.device) -> Walk:
     """The FP8 granularities to trial, in order, bf16 after them (the plan's with
-    `fp8_granularity=auto`, else the one asked for), and the reason FP8 is off where the list is empty.
+    `fp8_granularity=auto`, else the one asked for), or none with the reason FP8 is off.
 
     Raises:
         RuntimeError: `fp8=on` was asked for and cannot run here or under the plan.
     """
+    required = options.fp8 == "on"
+    if options.fp8_granularity != "auto":
+        origin = f"fp8_granularity={options.fp8_granularity}"
+    else:
+        origin = f"plan {plan.name}"
     checked = resolve_fp8(options, device)
     if checked.value == "off":
-        return [], checked.reason
+        return Walk("fp8", options.fp8, (), origin, off=checked.reason)
     if options.fp8_granularity != "auto":
-        return [options.fp8_granularity], ""
+        return Walk("fp8", options.fp8, (options.fp8_granularity,), origin, required=required)
     if not plan.fp8:
-        if options.fp8 == "on":
+        if required:
             raise RuntimeError(f"fp8=on cannot run: plan {plan.name} has no FP8 ({plan.why}). Use --fp8 auto or off.")
-        return [], f"auto: plan {plan.name}: {plan.why}"
-    return list(plan.fp8), ""
+        return Walk("fp8", options.fp8, (), origin, off=f"auto: plan {plan.name}: {plan.why}")
+    return Walk("fp8", options.fp8, plan.fp8, origin, required=required)
 
 
 @dataclass(frozen=True)
 class Trials:
     """What the blocks try on this GPU, in order, worked out once per GPU call (`resolve`) and handed
-    to the load path (`packages.load_packages`: the variants a compile here would make) and the
+    to the load path (`loading.load_packages`: the variants a compile here would make) and the
     compile path (`export.compile_blocks`: the trials it walks), so both come to the same answer.
 
-    plan: the GPU's plan, and `planned` the decision naming it; attention: the kernels to trial
-    (`attention_steps`), `skipped` a note for each of the plan's left out; fp8: the granularities
-    to trial, bf16 after them (`fp8_steps`), `fp8_off` why there are none; graphs: whether the
-    step runs as CUDA graphs on the device the transformer is on (`resolve_cuda_graphs`).
+    plan: the GPU's plan, and `planned` the decision naming it; attention, fp8: each fast path's
+    walk (`attention_walk`, `fp8_walk`); graphs: whether the step runs as CUDA graphs on the
+    device the transformer is on (`resolve_cuda_graphs`); fa3_kernel: where FA3 is loaded from
+    (`fa3.load_fa3`), for packages that call it.
     """
 
     plan: Plan
     planned: Decision
-    attention: tuple[str, ...]
-    skipped: tuple[str, ...]
-    fp8: tuple[str, ...]
-    fp8_off: str
+    attention: Walk
+    fp8: Walk
     graphs: Decision
+    fa3_kernel: str
 
     @classmethod
     def resolve(cls, options: Options, transformer: torch.nn.Module) -> Trials:
@@ -174,10 +194,9 @@ class Trials:
         """
         device = transformer.device
         plan, planned = resolve_plan(options, device)
-        kernels, skipped = attention_steps(options, plan, transformer, device)
-        granularities, fp8_off = fp8_steps(options, plan, device)
-        graphs = resolve_cuda_graphs(options, device)
-        return cls(plan, planned, tuple(kernels), tuple(skipped), tuple(granularities), fp8_off, graphs)
+        attention = attention_walk(options, plan, transformer, device)
+        fp8 = fp8_walk(options, plan, device)
+        return cls(plan, planned, attention, fp8, resolve_cuda_graphs(options, device), options.fa3_kernel)
 
 
 @dataclass(frozen=True)
@@ -314,136 +333,3 @@ def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:
         raise RuntimeError(f"{name}=on cannot run: {problem}. Use --{name.replace('_', '-')} auto or off.")
     return Decision(name, "off", f"auto: {problem}", requested)
 
-
-@functools.cache
-def load_fa3(source: str) -> Any:
-    """Load FlashAttention-3 and hand it to diffusers' `_flash_3` attention backend.
-
-    `source` is a Hub kernel repo (`owner/name`, fetched by `kernels.get_kernel` at
-    `FA3_KERNEL_VERSION`) or the name of an importable module providing `flash_attn_func`
-    (e.g. `fa3_fwd_interface` from the PyPI wheel `fa3-fwd`). The backend calls it through the
-    registered custom op `_diffusers_flash_attn_3::_flash_attn_forward`, which has a fake
-    implementation, so a block exports as one graph and the package calls that op at run time.
-
-    Loads once per process (a failed load is tried again at the next call).
-
-    Raises:
-        ImportError, OSError, RuntimeError: the kernel cannot be found or loaded.
-    """
-    from diffusers.models import attention_dispatch
-
-    if "/" in source:
-        from kernels import get_kernel
-
-        module = get_kernel(source, version=FA3_KERNEL_VERSION)
-    else:
-        import importlib
-
-        module = importlib.import_module(source)
-    # diffusers looks for FA3 only once, as a module named `flash_attn_interface` at its import;
-    # these two names are what that detection sets.
-    attention_dispatch.flash_attn_3_func = module.flash_attn_func
-    attention_dispatch._CAN_USE_FLASH_ATTN_3 = True
-    return module
-
-
-# kernels-community/flash-attn3's major version: the one diffusers 0.42 pins for its FA3 backend.
-FA3_KERNEL_VERSION = 1
-
-
-def fp8_config(granularity: str) -> Any:
-    """torchao's FP8 dynamic-activation, FP8-weight config at `granularity` ("row" or "tensor").
-
-    `set_inductor_config=False`: Inductor settings live in `INDUCTOR_CONFIGS`, not in a global
-    that quantizing changes.
-    """
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
-
-    return Float8DynamicActivationFloat8WeightConfig(
-        granularity=PerRow() if granularity == "row" else PerTensor(), set_inductor_config=False
-    )
-
-
-def quantize_block_(block: torch.nn.Module, config: Any, rows: dict[str, int] | None = None) -> tuple[int, int]:
-    """Quantize the block's linear layers with torchao `config`, in place.
-
-    Layers narrower than `FP8_MIN_FEATURES` or not 16-aligned stay as they are, and so do layers
-    already quantized (so applying twice is harmless). `rows`: each linear layer's fewest input rows
-    in the block's captured calls, by its name in the block (`fewest_rows`); row-wise, a quantized
-    layer with a bias that saw at most `BIAS_AFTER_GEMM_ROWS` of them becomes a `BiasAfterGEMM`
-    (none without `rows`: binding saved packages runs their graphs, not these layers). Returns
-    (quantized, skipped) layer counts.
-    """
-    from torchao.quantization import quantize_
-
-    linears = {
-        name: m
-        for name, m in block.named_modules()
-        if isinstance(m, torch.nn.Linear) and type(m.weight) is torch.nn.Parameter
-    }
-    eligible = {
-        name
-        for name, m in linears.items()
-        if min(m.in_features, m.out_features) >= FP8_MIN_FEATURES
-        and m.in_features % 16 == 0
-        and m.out_features % 16 == 0
-    }
-    if eligible:
-        chosen = {id(linears[name]) for name in eligible}
-        quantize_(block, config, filter_fn=lambda m, _: id(m) in chosen)
-        if _row_wise(config) and rows is not None:
-            for name in eligible:
-                few = rows.get(name, 0) <= BIAS_AFTER_GEMM_ROWS  # a layer no captured call ran: unknown, so few
-                if few and linears[name].bias is not None:
-                    linears[name].__class__ = BiasAfterGEMM
-    return len(eligible), len(linears) - len(eligible)
-
-
-@contextlib.contextmanager
-def fewest_rows(block: torch.nn.Module) -> Iterator[dict[str, int]]:
-    """Record each linear layer's fewest input rows (the product of all but the input's last dim:
-    the GEMM's M) over the calls of `block` made inside; yields {layer name in the block: rows},
-    filled in as they run. `quantize_block_` reads it."""
-    rows: dict[str, int] = {}
-    handles = []
-    for name, module in block.named_modules():
-        if isinstance(module, torch.nn.Linear):
-
-            def record(module, args, kwargs, name=name):
-                x = args[0] if args else kwargs.get("input")
-                if isinstance(x, torch.Tensor) and x.dim():
-                    count = x.numel() // x.shape[-1]
-                    rows[name] = min(count, rows.get(name, count))
-
-            handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
-    try:
-        yield rows
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-class BiasAfterGEMM(torch.nn.Linear):
-    """A linear layer that adds its bias after its GEMM, not in the GEMM's epilogue.
-
-    cuBLASLt refuses a row-wise scaled FP8 GEMM that has both a bias and fast accumulation (what
-    torchao asks for) at 32 rows or fewer: `CUBLAS_STATUS_NOT_SUPPORTED` from
-    `cublasLtMatmulAlgoGetHeuristic` for K=12288, N=3072 at M = 1..32, not at 48, 64 or 512, and
-    not without the bias or without fast accumulation (torch 2.11.0+cu130, H200; BENCHMARKS.md,
-    "cuBLASLt's 32-row refusal"). That is Qwen-Image's text MLP at a short prompt. Inductor fuses the add into the
-    kernel that reads the GEMM's output. Same parameters and names as the `nn.Linear` it replaces.
-    Only layers that see few rows get it (`BIAS_AFTER_GEMM_ROWS`).
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(input, self.weight) + self.bias
-
-
-def _row_wise(config: Any) -> bool:
-    """Whether torchao `config` scales FP8 per row (its `granularity`: one, or one per operand)."""
-    from torchao.quantization import PerRow
-
-    granularity = getattr(config, "granularity", None)
-    return any(
-        isinstance(g, PerRow) for g in (granularity if isinstance(granularity, (list, tuple)) else [granularity])
-    )
