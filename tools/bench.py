@@ -27,6 +27,9 @@ app.run() on real prompts. `zerogpu` is the Space as ZeroGPU runs it, under
 zerogpu_harness.py (the real spaces package, forked GPU workers, weights packed to disk at launch):
 ready s is the startup compile in a worker plus applying its packages here; then /generate through
 gradio_client: the first request on a new worker, warm requests, and the step as the worker runs it.
+`peer` and `peer-tensor` are what a diffusers user would write instead (`compile_like_diffusers`:
+torchao FP8 per row or per tensor, FA3 through diffusers' dispatcher, `compile_repeated_blocks`);
+ready s is their first step, where torch.compile compiles; they run on CUDA only (FA3, FP8).
 It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last, and appends
 that line to benchmarks/results.jsonl (`--results`).
 
@@ -71,6 +74,7 @@ from aot import portability
 from aot.blocks import forward_signature, rel_error, repeated_blocks, unpatch_forward
 from aot.compiled import Report
 from aot.export import capture, capture_blocks
+from aot.fa3 import load_fa3
 from aot.families import family
 from aot.graphs import GraphedStep, graph_step_
 from aot.model_config import latent_channels, with_latent_channels
@@ -133,7 +137,10 @@ SCENARIOS = {
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
 # (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
 GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["sm120"], ["warm"], ["zerogpu"], ["zerogpu-eager"]]
-GROUPS += [["lora"]]
+GROUPS += [["lora"], ["peer"], ["peer-tensor"]]
+# What a diffusers user would pick instead, each quantized in place in its own process
+# (`compile_like_diffusers`): FP8 per row as ours, and per tensor (flux-fast's and flux-fp8-api's recipe).
+PEERS = {"peer": "row", "peer-tensor": "tensor"}
 ZEROGPU = ("zerogpu", "zerogpu-eager")  # the Space in ZeroGPU mode, compiled (everything auto) and eager
 # The `lora` scenario's LoRA: rank 16 on the block layers the family row names (`lora_targets`).
 LORA_RANK = 16
@@ -484,6 +491,30 @@ def build(args, load: str | None = None):
     return load_pipeline(Options.from_env(environ={**os.environ, "MODEL_ID": args.model, "AOT_LOAD": load or ""}))
 
 
+def compile_like_diffusers(pipe, granularity: str, size: int) -> float:
+    """Make `pipe` fast as a diffusers user would without this template (diffusers' docs on regional
+    compilation, torchao and attention backends): torchao's FP8 on every linear layer of the
+    transformer (dynamic activations, `granularity` "row" or "tensor", torchao's default fast
+    accumulation), FlashAttention-3 through diffusers' dispatcher (`_flash_3`, loaded as the
+    template loads it: `AOT_FA3_KERNEL`), then `compile_repeated_blocks(fullgraph=True)`.
+
+    Returns its ready time: seconds from the quantization to the end of the first step at
+    size x size, where torch.compile compiles (no CUDA graphs: torch.compile's default mode).
+    """
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+    start = time.perf_counter()
+    scale = PerRow() if granularity == "row" else PerTensor()
+    quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=scale))
+    load_fa3(Options.from_env().fa3_kernel)
+    pipe.transformer.set_attention_backend("_flash_3")
+    pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    with torch.no_grad():
+        pipe.transformer(**step_inputs(pipe, size))
+    sync()
+    return time.perf_counter() - start
+
+
 def start_space(pipe, options: Options) -> Report:
     """`pipe` compiled (or loaded), saved and applied as `python app.py` does it (app.py's `start`:
     compile.py's `compile_transformer`, then `save_and_push` where `options.save` is set, then
@@ -511,7 +542,9 @@ def worker(names: list[str], args) -> None:
     for name in names:
         row = {"scenario": name, "ready_s": None, "cold": None, "decisions": []}
         try:
-            if SCENARIOS[name] is not None:
+            if name in PEERS:
+                row["ready_s"], row["cold"] = compile_like_diffusers(pipe, PEERS[name], args.size), True
+            elif SCENARIOS[name] is not None:
                 for block in pipe.transformer.modules():  # back to eager blocks, same weights
                     unpatch_forward(block)
                 # graphs are applied in `measure`, after the per-block timing (which needs plain steps)
@@ -531,7 +564,7 @@ def worker(names: list[str], args) -> None:
                     p.block: {"rel_error": p.rel_error, "fp8": p.fp8, "export_s": p.export_s, "compile_s": p.compile_s}
                     for p, _ in report.rows
                 }
-            graphs = SCENARIOS[name] is not None and torch.cuda.is_available()
+            graphs = SCENARIOS.get(name) is not None and torch.cuda.is_available()
             latents = measure(pipe, row, args, reference, graphs)
             if name == "eager":
                 torch.save(latents, work / "eager.pt")
@@ -968,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker.split(","), args)
         return 0
-    family_names = [n for n in names if n not in ("warm", *ZEROGPU)]
+    family_names = [n for n in names if n not in ("warm", *ZEROGPU, *PEERS)]
     wanted = args.scenarios.split(",") if args.scenarios else family_names if args.family else names
     if "eager" not in wanted or any(n not in names for n in wanted):
         parser.error(f"--scenarios: include eager; choose from {', '.join(names)}")
