@@ -454,7 +454,8 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
             kernels, row["kernels_error"] = None, f"{type(exc).__name__}: {exc}"
     if kernels:
         row["kernels_ms"], row["top_kernels"] = kernels
-    row["block_ms"] = block_ms(pipe, args.size)  # forward hooks: they need plain steps
+    if row["scenario"] not in PEERS:  # forward hooks: they need plain steps, not torch.compile's regions
+        row["block_ms"] = block_ms(pipe, args.size)
     if graphs:
         graphed = graph_step_(pipe.transformer)
         with torch.no_grad():
