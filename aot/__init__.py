@@ -17,10 +17,11 @@ server.py and what it needs), so that a process needing one module (`import aot.
 not import the whole engine (gradio, diffusers). `spaces` is imported here, before any of them:
 every import of the engine runs this file first.
 
-An import marked `# heavy: at first use` is of a library that takes a second or more to import
-(diffusers, torchao, peft, transformers, gradio, Inductor's compiler), kept in the function that uses
-it so that importing one module stays cheap. No import is kept local to hide a circle: pyproject.toml's
-contracts (`lint-imports`) forbid circles and hold the layers README.md's file map shows.
+An import kept in a function says why at the import: `# heavy: at first use` marks a library that
+takes a second or more to import (diffusers, torchao, peft, transformers, gradio, Inductor's
+compiler), kept in the function that uses it so that importing one module stays cheap. No import
+is kept local to hide a circle: pyproject.toml's contracts (`lint-imports`) forbid circles and
+hold the layers README.md's file map shows.
 zerogpu.py says what runs where on ZeroGPU.
 """
 

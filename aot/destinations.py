@@ -17,7 +17,7 @@ def check_save_target(target: str | os.PathLike) -> None:
     """Raise `RuntimeError` now if a save cannot replace the folder `target` (before compiling).
 
     A save builds the new folder beside `target`, renames `target` away and the new one in, then
-    deletes the old one (`_swap`). So it is refused when `target` is a file; when the folder that
+    deletes the old one (`saving._swap`). So it is refused when `target` is a file; when the folder that
     would hold it (or the nearest existing one, to create it in) is a file or not writable; and when
     `target` or a folder inside it is not writable: its old copy could not be deleted, and a
     read-only `.old-*` copy would stay behind. `os.access` answers for this process: permission bits

@@ -211,8 +211,10 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
 
     Raises:
         ValueError: no repeated blocks, or inputs the shape rule cannot describe.
-        RuntimeError: `fp8=on` and its last trial failed, or a compiled bf16 SDPA block does not
-            match its eager block.
+        RuntimeError: a compiled bf16 block of the last attention kernel (an explicitly requested
+            one, or the plan's SDPA) does not match its eager block.
+        Exception: what the last attention kernel's export or compile raised, or, with `fp8=on`,
+            what the last FP8 granularity's trial raised.
     """
     transformer = pipe.transformer
     blocks = repeated_blocks(transformer)

@@ -29,7 +29,7 @@ def load_fa3(source: str) -> Any:
     from diffusers.models import attention_dispatch  # heavy: at first use
 
     if "/" in source:
-        from kernels import get_kernel  # heavy: at first use
+        from kernels import get_kernel  # at first use: only a Hub kernel needs it
 
         module = get_kernel(source, version=FA3_KERNEL_VERSION)
     else:

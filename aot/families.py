@@ -20,9 +20,8 @@ keyword arguments a call takes, the default steps and guidance, and the token ru
 * a block input dim is `a * I + b * L + c` (contract.contract_from_captures): Z-Image's main blocks
   see image and text tokens in one sequence (a = b = 1).
 
-What differs by family in the models' configs is read here too: the VAE's downsampling
-(`vae_scale_factor`) and latent channels (`latent_channels`), and the attention head dim
-(`attention_head_dim`).
+What differs by family in the models' configs (the VAE's downsampling and latent channels, the
+attention head dim) is read in model_config.py.
 
     >>> family("FluxPipeline").image_input
     'none'

@@ -9,6 +9,7 @@ shapes and dtypes; a compile adds the vector extensions and runtime library vers
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 from typing import Any
 
@@ -31,7 +32,6 @@ def fingerprint(
     ("fa3", "sdpa"), `fp8` the granularity ("row", "tensor") or "off", `fa3_kernel` where FA3 is
     loaded from (None unless `attention` is "fa3")."""
     import diffusers  # heavy: at first use
-    import kernels  # heavy: at first use
     import torchao  # heavy: at first use
 
     device = transformer.device
@@ -47,7 +47,7 @@ def fingerprint(
         "cuda": torch.version.cuda,
         "torchao": torchao.__version__,
         "diffusers": diffusers.__version__,
-        "kernels": kernels.__version__,
+        "kernels": importlib.metadata.version("kernels"),
         "device": device_name,
         # Each package holds C++ for this architecture; `compile_blocks` adds what it needs of the
         # CPU ("cpu_isa", portability.isa_built_for) and of the runtime libraries ("glibc", "glibcxx":

@@ -32,6 +32,7 @@ from aot.target import Target
 
 log = logging.getLogger("packages")
 
+
 def load_saved(options: Options, pipe: Any, target: Target, trials: Trials) -> Compiled | None:
     """The packages of `options.load` for `pipe`, where they can be used here (`load_packages`);
     else None, with the reason logged (the caller compiles instead).
@@ -282,7 +283,7 @@ def _open_inside(folder: Path, relative: str, cache: Path | None = None) -> Bina
 def _fetch(source: str, names: list[str]) -> tuple[Path, str, Path | None]:
     """The folder to read, what to call it in the report, and the Hub cache its files may link into.
 
-    A local folder is read as is, after `_tidy` (interrupted saves). A Hub repo: the files of the
+    A local folder is read as is, after `saving.tidy_unless_saving` (interrupted saves). A Hub repo: the files of the
     variants `names` at the revision asked for (`owner/name@revision`, else main), downloaded or cached by
     huggingface_hub, called `owner/name@<commit>`: the commit actually loaded.
     """

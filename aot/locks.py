@@ -78,5 +78,3 @@ def held(path: str | os.PathLike) -> bool:
     finally:
         os.close(handle)
     return False
-
-

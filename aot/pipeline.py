@@ -20,6 +20,7 @@ from aot.plans import refuse_impossible_requests
 
 log = logging.getLogger("compile")
 
+
 def tiny_pipelines() -> list[str]:
     """The bundled tiny pipelines (`assets/tiny-*/` with a `model_index.json`), as MODEL_ID names them."""
     assets = Path(__file__).resolve().parents[1] / "assets"

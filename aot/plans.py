@@ -117,7 +117,7 @@ class Walk:
         """The decision the walk ended in: `value`, reasoned by the notes and the steps `walked`
         (each step's note, in order), or by `off` where there were no steps."""
         reason = f"{self.origin}: " + " -> ".join([*self.notes, *walked]) if self.steps else self.off
-        return Decision(self.name, value, reason, self.asked)
+        return Decision(self.name, value, reason)
 
 
 def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, device: torch.device) -> Walk:
@@ -170,13 +170,12 @@ class Trials:
     to the load path (`loading.load_packages`: the variants a compile here would make) and the
     compile path (`export.compile_blocks`: the trials it walks), so both come to the same answer.
 
-    plan: the GPU's plan, and `planned` the decision naming it; attention, fp8: each fast path's
+    planned: the decision naming the GPU's plan (`resolve_plan`); attention, fp8: each fast path's
     walk (`attention_walk`, `fp8_walk`); graphs: whether the step runs as CUDA graphs on the
     device the transformer is on (`resolve_cuda_graphs`); fa3_kernel: where FA3 is loaded from
     (`fa3.load_fa3`), for packages that call it.
     """
 
-    plan: Plan
     planned: Decision
     attention: Walk
     fp8: Walk
@@ -196,7 +195,7 @@ class Trials:
         plan, planned = resolve_plan(options, device)
         attention = attention_walk(options, plan, transformer, device)
         fp8 = fp8_walk(options, plan, device)
-        return cls(plan, planned, attention, fp8, resolve_cuda_graphs(options, device), options.fa3_kernel)
+        return cls(planned, attention, fp8, resolve_cuda_graphs(options, device), options.fa3_kernel)
 
 
 @dataclass(frozen=True)

@@ -340,14 +340,3 @@ def probe_in_background() -> threading.Thread:
 
 
 _probe: threading.Thread | None = None
-
-
-def wait_for_probe() -> None:
-    """Wait for the probe if `probe_in_background` started it; start nothing.
-
-    Called before the first `@spaces.GPU` call: on ZeroGPU that call forks the worker, and a fork
-    must not copy a thread in the middle of its work (the locks it holds stay held in the child).
-    The finished probe's result is cached (`valid_vec_isa_list`), so the worker inherits it.
-    """
-    if _probe is not None:
-        _probe.join()

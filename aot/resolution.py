@@ -46,9 +46,3 @@ class Resolution:
             f"sides {self.min_side}..{self.max_side} px in steps of {self.step} "
             f"({lo}..{hi} image tokens = (H/{self.step})*(W/{self.step}))"
         )
-
-    def check_size(self, height: int, width: int) -> None:
-        """Raise `ValueError` naming the allowed range unless `height` x `width` is allowed."""
-        for name, side in (("height", height), ("width", width)):
-            if not isinstance(side, int) or side % self.step or not self.min_side <= side <= self.max_side:
-                raise ValueError(f"{name}={side} is not allowed: use {self.sides}")

@@ -317,7 +317,7 @@ class Server:
         text length the blocks are compiled for), so that API clients learn it too, not only the UI.
 
         Raises:
-            gr.Error: what `check` refuses, or an input image whose pixels cannot be read as RGB.
+            gr.Error: what `check_request` refuses, or an input image whose pixels cannot be read as RGB.
         """
         self.check_request(request)
         seed = random.randint(0, self.limits.max_seed) if request.randomize_seed else int(request.seed)

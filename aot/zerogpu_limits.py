@@ -9,8 +9,6 @@ from __future__ import annotations
 from spaces.config import Config
 
 ON_ZEROGPU: bool = Config.zero_gpu  # SPACES_ZERO_GPU=1/t/true, read by spaces at import
-# The longest a startup call may hold the GPU: the recipe's maximum for `@spaces.GPU` at import time.
-STARTUP_SECONDS = 1500
 # Above this many bytes packed at launch spaces makes `xlarge` its default size (`xlarge_threshold` of
 # the RTX Pro 6000 entry in spaces 0.51.3's zero/configs.json: 42 GiB of the half card's 48 GB).
 LARGE_MAX_BYTES = 45_097_156_608
