@@ -3,8 +3,9 @@ package binds to, and putting a forward in front of a module's own (and taking i
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -15,6 +16,21 @@ def forward_signature(module: torch.nn.Module) -> inspect.Signature:
     """The signature of the class's own `forward`, without `self` (also once `forward` is patched)."""
     signature = inspect.signature(type(module).forward)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+@contextlib.contextmanager
+def pre_hooks(modules: dict[str, torch.nn.Module], hook: Callable[..., None]) -> Iterator[None]:
+    """Call `hook(name, module, args, kwargs)` before every call of each module of `modules` (by
+    name) made inside, the call itself unchanged; the hooks are removed on the way out."""
+    handles = [
+        module.register_forward_pre_hook(lambda m, a, kw, name=name: hook(name, m, a, kw), with_kwargs=True)
+        for name, module in modules.items()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def patch_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> None:

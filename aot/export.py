@@ -22,7 +22,7 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from aot import portability
-from aot.blocks import forward_signature, rel_error, repeated_blocks
+from aot.blocks import forward_signature, pre_hooks, rel_error, repeated_blocks
 from aot.compiled import BlockPackage, Compiled
 from aot.contract import CapturedCall, Contract, contract_from_captures
 from aot.families import Family, family
@@ -78,19 +78,13 @@ def capture(modules: dict[str, torch.nn.Module]):
     keyword names by the module's forward signature.
     """
     calls: dict[str, CapturedCall] = {}
-    handles = []
-    for name, module in modules.items():
 
-        def record(module, args, kwargs, name=name):
-            if name not in calls:
-                calls[name] = ((), dict(forward_signature(module).bind(*args, **kwargs).arguments))
+    def record(name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if name not in calls:
+            calls[name] = ((), dict(forward_signature(module).bind(*args, **kwargs).arguments))
 
-        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
-    try:
+    with pre_hooks(modules, record):
         yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def capture_blocks(

@@ -8,6 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
+from aot.blocks import pre_hooks
+
 # An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
 # in bf16 (FP8 has 3 mantissa bits: a few percent is its normal cost; NaN or noise is far above).
 FP8_MAX_REL_ERROR = 1e-1
@@ -79,22 +81,16 @@ def fewest_rows(block: torch.nn.Module) -> Iterator[dict[str, int]]:
     the GEMM's M) over the calls of `block` made inside; yields {layer name in the block: rows},
     filled in as they run. `quantize_block_` reads it."""
     rows: dict[str, int] = {}
-    handles = []
-    for name, module in block.named_modules():
-        if isinstance(module, torch.nn.Linear):
 
-            def record(module, args, kwargs, name=name):
-                x = args[0] if args else kwargs.get("input")
-                if isinstance(x, torch.Tensor) and x.dim():
-                    count = x.numel() // x.shape[-1]
-                    rows[name] = min(count, rows.get(name, count))
+    def record(name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(x, torch.Tensor) and x.dim():
+            count = x.numel() // x.shape[-1]
+            rows[name] = min(count, rows.get(name, count))
 
-            handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
-    try:
+    linears = {name: m for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    with pre_hooks(linears, record):
         yield rows
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class BiasAfterGEMM(torch.nn.Linear):
