@@ -147,15 +147,12 @@ def fp8_walk(options: Options, plan: Plan, device: torch.device) -> Walk:
     Raises:
         RuntimeError: `fp8=on` was asked for and cannot run here or under the plan.
     """
-    required = options.fp8 == "on"
-    if options.fp8_granularity != "auto":
-        origin = f"fp8_granularity={options.fp8_granularity}"
-    else:
-        origin = f"plan {plan.name}"
+    required, chosen = options.fp8 == "on", options.fp8_granularity != "auto"
+    origin = f"fp8_granularity={options.fp8_granularity}" if chosen else f"plan {plan.name}"
     checked = resolve_fp8(options, device)
     if checked.value == "off":
         return Walk("fp8", options.fp8, (), origin, off=checked.reason)
-    if options.fp8_granularity != "auto":
+    if chosen:
         return Walk("fp8", options.fp8, (options.fp8_granularity,), origin, required=required)
     if not plan.fp8:
         if required:
@@ -203,7 +200,8 @@ class Decision:
     """One resolved choice, e.g. `attention: sdpa (auto: no CUDA device)`.
 
     name: the fast path; value: what it resolved to; reason: why; asked: what the options asked
-    for (`auto`, `on`, `fa3`, ...; "" where not recorded, as in packages saved before it was).
+    for, where a later step reads it (`cuda_graphs`: `apply_` captures strictly under `on`); ""
+    elsewhere (a `Walk` carries what was asked of attention and FP8; saved packages record no `asked`).
     """
 
     name: str
