@@ -25,6 +25,7 @@ from aot import portability
 from aot.blocks import forward_signature, pre_hooks, rel_error, repeated_blocks
 from aot.compiled import BlockPackage, Compiled
 from aot.contract import CapturedCall, Contract, contract_from_captures
+from aot.fa3 import FA3_KERNELS, attention_backend, fa3_op
 from aot.families import Family, family
 from aot.fingerprint import fingerprint
 from aot.fp8 import FP8_MAX_REL_ERROR, FP8_MIN_FEATURES, fewest_rows, fp8_config, quantize_block_
@@ -237,7 +238,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
     fp8 = trials.fp8.decision(granularity or "off", walked)
     log.info("%s", attention)
     log.info("%s", fp8)
-    fa3_kernel = trials.fa3_kernel if kernel == "fa3" else None
+    fa3_kernel = trials.fa3_kernel if kernel in FA3_KERNELS else None
     valid_for = fingerprint(transformer, resolution, kernel, fp8.value, fa3_kernel)
     valid_for["cpu_isa"] = portability.isa_built_for(transformer.device)  # what they need: portability.isa_problem
     valid_for.update(portability.runtimes_needed(*(p.package for p in packages.values())))  # and runtime_problem
@@ -292,13 +293,14 @@ def _compile_classes(
             attention kernel), or, where `fp8.required`, what the last granularity's trial raised.
     """
 
+    bound = FP8_MAX_REL_ERROR if attention == "fa3-fp8" else MAX_REL_ERROR  # FP8 attention: an FP8 block
+
     def bf16(name: str) -> BlockPackage:
         block, inputs, contract, references, _ = classes[name]
         package = _compile_class(name, block, inputs, contract, attention, references, fp8=None)
-        if not package.rel_error <= MAX_REL_ERROR:
+        if not package.rel_error <= bound:
             raise RuntimeError(
-                f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), "
-                f"above {MAX_REL_ERROR:.0e}"
+                f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), above {bound:.0e}"
             )
         return package
 
@@ -358,16 +360,14 @@ def _compile_class(
     captured shape, both image sizes and, where the text length follows the prompt, the shortest
     and the longest text (cuBLAS can refuse an FP8 GEMM at one shape and not another: BENCHMARKS.md).
     rel_error is the largest of those."""
-    from diffusers.models.attention_dispatch import attention_backend  # heavy: at first use
-
     start = time.perf_counter()
-    with attention_backend("_flash_3" if attention == "fa3" else "native"):
+    with attention_backend(attention):
         exported = export_block(block, inputs[0], contract)
     export_s = time.perf_counter() - start
-    if attention == "fa3":
-        op = torch.ops._diffusers_flash_attn_3._flash_attn_forward.default
+    if attention in FA3_KERNELS:
+        op = fa3_op(attention)
         if not any(node.target is op for node in exported.graph.nodes):
-            raise RuntimeError(f"{name}: attention=fa3, but the exported graph calls no FA3 op")
+            raise RuntimeError(f"{name}: attention={attention}, but the exported graph calls no {op}")
     start = time.perf_counter()
     package = compile_package(exported)
     compile_s = time.perf_counter() - start

@@ -1,25 +1,38 @@
-"""FlashAttention-3: loaded from the kernels Hub or an importable module, and handed to diffusers'
-`_flash_3` attention backend, which exported blocks call through its registered custom op."""
+"""FlashAttention-3: loaded from the kernels Hub or an importable module, and called by the exported
+blocks through a registered custom op, in bf16 (`fa3`) or with FP8 inputs (`fa3-fp8`).
+
+`fa3`: diffusers' `_flash_3` attention backend, whose op `_diffusers_flash_attn_3::_flash_attn_forward`
+has a fake implementation, so a block exports as one graph and the package calls that op at run
+time. `fa3-fp8`: the same kernel's FP8 forward through this module's op `aot_fa3::fp8_forward`; the
+blocks quantize Q, K and V in their own graph (`quantize_per_head`), where Inductor fuses it into the
+kernels that make them (the norm and RoPE), so the op reads FP8 and writes bf16.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 # kernels-community/flash-attn3's major version: the one diffusers 0.42 pins for its FA3 backend.
 FA3_KERNEL_VERSION = 1
+# The attention kernels that call FA3 (`attention` in plans.py and the fingerprint): bf16, FP8 inputs.
+FA3_KERNELS = ("fa3", "fa3-fp8")
+# float8_e4m3fn's largest finite value: a head's abs-max maps to it (`quantize_per_head`).
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 @functools.cache
 def load_fa3(source: str) -> Any:
-    """Load FlashAttention-3 and hand it to diffusers' `_flash_3` attention backend.
+    """Load FlashAttention-3 and hand it to diffusers' `_flash_3` attention backend (and so to
+    `fp8_forward`).
 
     `source` is a Hub kernel repo (`owner/name`, fetched by `kernels.get_kernel` at
     `FA3_KERNEL_VERSION`) or the name of an importable module providing `flash_attn_func`
-    (e.g. `fa3_fwd_interface` from the PyPI wheel `fa3-fwd`). The backend calls it through the
-    registered custom op `_diffusers_flash_attn_3::_flash_attn_forward`, which has a fake
-    implementation, so a block exports as one graph and the package calls that op at run time.
+    (e.g. `fa3_fwd_interface` from the PyPI wheel `fa3-fwd`).
 
     Loads once per process (a failed load is tried again at the next call).
 
@@ -39,3 +52,107 @@ def load_fa3(source: str) -> Any:
     attention_dispatch.flash_attn_3_func = module.flash_attn_func
     attention_dispatch._CAN_USE_FLASH_ATTN_3 = True
     return module
+
+
+@torch.library.custom_op("aot_fa3::fp8_forward", mutates_args=(), device_types="cuda")
+def fp8_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """FA3's forward on FP8 inputs: `q` (batch, seq_q, heads, head_dim), `k`, `v` (batch, seq_k,
+    kv_heads, head_dim), all float8_e4m3fn; each `*_descale` float32 (batch, kv_heads), what the
+    kernel multiplies its input back by. Returns bf16 (batch, seq_q, heads, head_dim). FA3 also
+    rounds the softmax's probabilities to FP8 before they meet V.
+
+    Raises:
+        RuntimeError: no FA3 kernel was loaded in this process (`load_fa3`).
+    """
+    from diffusers.models import attention_dispatch  # heavy: at first use
+
+    if not getattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", False):
+        raise RuntimeError("aot_fa3::fp8_forward: no FA3 kernel loaded in this process (aot.fa3.load_fa3)")
+    out = attention_dispatch.flash_attn_3_func(
+        q, k, v, softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+@fp8_forward.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, softmax_scale=None):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.bfloat16)
+
+
+def quantize_per_head(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (batch, seq, heads, head_dim), any float dtype, as float8_e4m3fn scaled per batch and
+    per KV head (a query head shares the scale of the KV head it reads: FA3's descale is
+    (batch, kv_heads)), so that each group's abs-max maps to `E4M3_MAX`. Returns the FP8 tensor
+    (same shape) and its descale, float32 (batch, kv_heads): x ~= fp8 * descale. An all-zero group
+    gets descale 1."""
+    batch, seq, heads, _ = x.shape
+    group = heads // kv_heads
+    # In two steps: over each head's row first (contiguous, fused into the kernel that makes `x`),
+    # then over the tokens' row maxima (batch x seq x heads values).
+    rows = x.abs().amax(dim=-1).float()
+    amax = rows.reshape(batch, seq, kv_heads, group).amax(dim=(1, 3))
+    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    per_head = descale.repeat_interleave(group, dim=1)[:, None, :, None]
+    return (x.float() / per_head).to(torch.float8_e4m3fn), descale
+
+
+def fp8_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    return_lse: bool = False,
+    _parallel_config: Any = None,
+) -> torch.Tensor:
+    """Attention with diffusers' backend signature (`query` (batch, seq, heads, head_dim), bf16):
+    Q, K and V quantized per head (`quantize_per_head`), then `fp8_forward`. Output in `query`'s
+    dtype.
+
+    Raises:
+        ValueError: a mask, causal attention or the log-sum-exp was asked for (not supported).
+    """
+    if attn_mask is not None or is_causal or return_lse:
+        raise ValueError("fa3-fp8 attention supports no mask, no causal attention and no returned log-sum-exp")
+    kv_heads = key.shape[2]
+    q, q_descale = quantize_per_head(query, kv_heads)
+    k, k_descale = quantize_per_head(key, kv_heads)
+    v, v_descale = quantize_per_head(value, kv_heads)
+    return fp8_forward(q, k, v, q_descale, k_descale, v_descale, scale).to(query.dtype)
+
+
+@contextlib.contextmanager
+def attention_backend(kernel: str) -> Iterator[None]:
+    """Inside, diffusers' attention dispatcher runs `kernel` ("sdpa", "fa3", "fa3-fp8"): what a block
+    exported inside calls. `fa3-fp8` takes the `_flash_3` backend's place in diffusers' registry
+    while inside (diffusers has no name for it)."""
+    from diffusers.models import attention_dispatch  # heavy: at first use
+
+    name = {"sdpa": "native", "fa3": "_flash_3", "fa3-fp8": "_flash_3"}[kernel]
+    registry, flash_3 = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName._FLASH_3
+    original = registry._backends[flash_3]
+    if kernel == "fa3-fp8":
+        registry._backends[flash_3] = fp8_attention
+    try:
+        with attention_dispatch.attention_backend(name):
+            yield
+    finally:
+        registry._backends[flash_3] = original
+
+
+def fa3_op(kernel: str) -> Any:
+    """The op a block exported under `kernel` ("fa3", "fa3-fp8") calls for its attention."""
+    if kernel == "fa3-fp8":
+        return torch.ops.aot_fa3.fp8_forward.default
+    import diffusers.models.attention_dispatch  # noqa: F401  # heavy: at first use; registers the op
+
+    return torch.ops._diffusers_flash_attn_3._flash_attn_forward.default

@@ -23,6 +23,7 @@ from huggingface_hub import snapshot_download
 from aot import portability
 from aot.compiled import BlockPackage, Compiled
 from aot.destinations import COMMIT, hub_label, hub_repo
+from aot.fa3 import FA3_KERNELS
 from aot.fingerprint import differences, fingerprint, variant
 from aot.options import Options
 from aot.plans import Decision, Trials, one_line
@@ -63,7 +64,7 @@ def load_packages(source: str, pipe: Any, target: Target, trials: Trials) -> tup
     transformer, resolution = pipe.transformer, target.resolution
     candidates = {}  # variant -> fingerprint, in the plan's order: what a compile here would try
     for kernel in trials.attention.steps:
-        fa3_kernel = trials.fa3_kernel if kernel == "fa3" else None
+        fa3_kernel = trials.fa3_kernel if kernel in FA3_KERNELS else None
         for granularity in [*trials.fp8.steps, "off"]:
             here = fingerprint(transformer, resolution, kernel, granularity, fa3_kernel)
             candidates.setdefault(variant(here), here)

@@ -54,8 +54,9 @@ class Options:
         default="auto",
         metadata=_option(
             "AOT_ATTENTION",
-            "attention inside the compiled blocks: fa3 (FlashAttention-3, Hopper GPUs), sdpa, or auto",
-            choices=("auto", "fa3", "sdpa"),
+            "attention inside the compiled blocks: fa3 (FlashAttention-3, Hopper GPUs), fa3-fp8 (its FP8"
+            " forward: Q, K, V scaled per head), sdpa, or auto",
+            choices=("auto", "fa3", "fa3-fp8", "sdpa"),
         ),
     )
     fa3_kernel: str = field(

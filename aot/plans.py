@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aot.fa3 import load_fa3
+from aot.fa3 import FA3_KERNELS, load_fa3
 from aot.model_config import attention_head_dim
 from aot.options import Options
 from aot.zerogpu_limits import ON_ZEROGPU
@@ -126,17 +126,18 @@ def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, d
     pass (Hopper, dtype, head dim, a kernel that loads).
 
     Raises:
-        RuntimeError: `attention=fa3` was asked for and cannot run (`resolve_attention`).
+        RuntimeError: `attention=fa3` or `fa3-fp8` was asked for and cannot run (`resolve_attention`).
     """
     if options.attention != "auto":
         kernel = resolve_attention(options, transformer, device).value
         return Walk("attention", options.attention, (kernel,), "requested")
     kernels, skipped = list(plan.attention), []
-    if "fa3" in kernels:
+    if set(FA3_KERNELS) & set(kernels):
         checked = resolve_attention(options, transformer, device)
-        if checked.value != "fa3":
-            kernels.remove("fa3")
-            skipped.append(f"fa3 skipped ({checked.reason.removeprefix('auto: ')})")
+        if checked.value not in FA3_KERNELS:
+            for kernel in [k for k in kernels if k in FA3_KERNELS]:
+                kernels.remove(kernel)
+                skipped.append(f"{kernel} skipped ({checked.reason.removeprefix('auto: ')})")
     return Walk("attention", "auto", tuple(kernels or ["sdpa"]), f"plan {plan.name}", tuple(skipped))
 
 
@@ -258,10 +259,10 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
     """
     forced_plan(options)  # a capability no row covers raises now, not in the GPU call
     emulated = device.type == "cuda" and ON_ZEROGPU
-    if options.attention == "fa3" and not emulated:
+    if options.attention in FA3_KERNELS and not emulated:
         problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
         if problem:
-            raise RuntimeError(f"attention=fa3 cannot run: {problem}. Use --attention auto or sdpa.")
+            raise RuntimeError(f"attention={options.attention} cannot run: {problem}. Use --attention auto or sdpa.")
     if options.fp8 == "on" and not emulated:
         resolve_fp8(options, device)
     if options.cuda_graphs == "on":
@@ -271,11 +272,12 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
 def resolve_attention(options: Options, transformer: torch.nn.Module, device: torch.device) -> Decision:
     """Decide the attention kernel compiled into the blocks; loads FA3 to prove it can run.
 
-    Returns `fa3` only on compute capability 9.x (FA3 is a Hopper kernel) with a bfloat16/float16
-    transformer, a head dim FA3 supports (<= 256, multiple of 8) and a kernel that loads.
+    Returns `fa3` (or `fa3-fp8` where asked for) only on compute capability 9.x (FA3 is a Hopper
+    kernel) with a bfloat16/float16 transformer, a head dim FA3 supports (<= 256, multiple of 8)
+    and a kernel that loads.
 
     Raises:
-        RuntimeError: `attention=fa3` was asked for and one of those conditions fails.
+        RuntimeError: `attention=fa3` or `fa3-fp8` was asked for and one of those conditions fails.
     """
     if options.attention == "sdpa":
         return Decision("attention", "sdpa", "requested")
@@ -291,9 +293,10 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
         except Exception as exc:  # a missing package, no network, no build for this torch version
             problem = f"FA3 kernel {options.fa3_kernel!r} did not load: {type(exc).__name__}: {exc}"
     if problem is None:
-        return Decision("attention", "fa3", f"{options.attention}: {options.fa3_kernel}")
-    if options.attention == "fa3":
-        raise RuntimeError(f"attention=fa3 cannot run: {problem}. Use --attention auto or sdpa.")
+        kernel = options.attention if options.attention in FA3_KERNELS else "fa3"
+        return Decision("attention", kernel, f"{options.attention}: {options.fa3_kernel}")
+    if options.attention in FA3_KERNELS:
+        raise RuntimeError(f"attention={options.attention} cannot run: {problem}. Use --attention auto or sdpa.")
     return Decision("attention", "sdpa", f"auto: {problem}")
 
 

@@ -56,6 +56,32 @@ def test_fa3_blocks_match_eager():
     assert error < IMAGE_TOLERANCE, f"FA3 compiled vs eager SDPA: {error:.2e}"
 
 
+def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_blocks():
+    """The op alone at FLUX.1-dev's 1024x1024 attention shape against SDPA in float32, then the
+    blocks compiled with it (the exported graph calls `aot_fa3::fp8_forward`: `_compile_class`
+    checks) against eager SDPA."""
+    from aot.fa3 import fp8_attention, load_fa3
+
+    load_fa3(FA3_KERNEL)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
+    out = fp8_attention(q, k, v)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    op_error = rel_error(out.float(), reference.transpose(1, 2))
+    print(f"fa3-fp8 op vs float32 SDPA: {op_error:.2e}")
+    assert op_error < FP8_MAX_REL_ERROR
+    pipe = wide_pipeline()
+    expected = images(pipe)
+    compiled = compile_blocks(*decided(pipe, Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off")))
+    assert compiled.decisions[1].value == "fa3-fp8", compiled.decisions[1]
+    print({name: f"{p.rel_error:.2e}" for name, p in compiled.packages.items()})
+    patch_blocks_(pipe, compiled)
+    error = rel_error(images(pipe), expected)
+    print(f"fa3-fp8 images vs eager: {error:.2e}")
+    assert error < FP8_MAX_REL_ERROR, f"FA3 FP8 compiled vs eager SDPA: {error:.2e}"
+
+
 def test_fp8_blocks_stay_close_to_bf16():
     pipe = wide_pipeline()
     expected = images(pipe)

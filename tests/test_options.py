@@ -99,16 +99,16 @@ def test_resolution_rule():
         Resolution(1024, 512)
 
 
-@pytest.mark.parametrize("attention", ["auto", "sdpa", "fa3"])
+@pytest.mark.parametrize("attention", ["auto", "sdpa", "fa3", "fa3-fp8"])
 @pytest.mark.parametrize("fp8", ["auto", "on", "off"])
 def test_switch_matrix_on_cpu(attention, fp8):
     """Every combination: auto falls back with the reason, explicit requests that cannot run raise."""
     transformer = load_tiny().transformer
     options = tiny_options(attention=attention, fp8=fp8)
     device = torch.device("cpu")
-    if attention == "fa3":
+    if attention.startswith("fa3"):
         with pytest.raises(
-            RuntimeError, match="attention=fa3 cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu"
+            RuntimeError, match=f"attention={attention} cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu"
         ):
             resolve_attention(options, transformer, device)
     else:

@@ -131,13 +131,15 @@ SCENARIOS = {
     "aot+fa3": dict(attention="fa3", fp8="off"),
     "aot+fp8": dict(attention="sdpa", fp8="on"),
     "all": dict(),
+    # FA3's FP8 forward (Q, K, V per head) in place of bf16 FA3, everything else as `all`.
+    "fa3-fp8": dict(attention="fa3-fp8"),
     # ZeroGPU's card (an RTX Pro 6000, sm_120) rehearsed: its plan of trials (SDPA, FP8 per tensor).
     "sm120": dict(plan="12.0"),
 }
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
 # (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
-GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["sm120"], ["warm"], ["zerogpu"], ["zerogpu-eager"]]
-GROUPS += [["lora"], ["peer"], ["peer-tensor"]]
+GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["fa3-fp8"], ["sm120"], ["warm"]]
+GROUPS += [["zerogpu"], ["zerogpu-eager"], ["lora"], ["peer"], ["peer-tensor"]]
 # What a diffusers user would pick instead, each quantized in place in its own process
 # (`compile_like_diffusers`): FP8 per row as ours, and per tensor (flux-fast's and flux-fp8-api's recipe).
 PEERS = {"peer": "row", "peer-tensor": "tensor"}
