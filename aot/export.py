@@ -25,10 +25,11 @@ from aot import portability
 from aot.blocks import forward_signature, pre_hooks, rel_error, repeated_blocks
 from aot.compiled import BlockPackage, Compiled
 from aot.contract import CapturedCall, Contract, contract_from_captures
-from aot.fa3 import FA3_KERNELS, attention_backend, fa3_op
+from aot.fa3 import FA3_KERNELS, attention_backend, fa3_op, unit_scale_problem
 from aot.families import Family, family
 from aot.fingerprint import fingerprint
 from aot.fp8 import FP8_MAX_REL_ERROR, FP8_MIN_FEATURES, fewest_rows, fp8_config, quantize_block_
+from aot.model_config import attention_head_dim
 from aot.overlap import overlapped
 from aot.plans import Trials, Walk, brief
 from aot.runner import bind
@@ -227,6 +228,11 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
         classes = _capture_classes(pipe, blocks, target)
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
+                if kernel == "fa3-fp8":  # Q and K go to FP8 unscaled: each block's norms must bound them
+                    every = [b for found in blocks.values() for b in found]
+                    problem = unit_scale_problem(every, attention_head_dim(transformer))
+                    if problem:
+                        raise RuntimeError(f"Q and K cannot be cast to FP8 unscaled: {problem}")
                 packages, granularity, walked = _compile_classes(classes, kernel, trials.fp8)
                 break
             except Exception as exc:

@@ -3,9 +3,15 @@ blocks through a registered custom op, in bf16 (`fa3`) or with FP8 inputs (`fa3-
 
 `fa3`: diffusers' `_flash_3` attention backend, whose op `_diffusers_flash_attn_3::_flash_attn_forward`
 has a fake implementation, so a block exports as one graph and the package calls that op at run
-time. `fa3-fp8`: the same kernel's FP8 forward through this module's op `aot_fa3::fp8_forward`; the
-blocks quantize Q, K and V in their own graph (`quantize_per_head`), where Inductor fuses it into the
-kernels that make them (the norm and RoPE), so the op reads FP8 and writes bf16.
+time. `fa3-fp8`: the same kernel's FP8 forward through this module's op `aot_fa3::fp8_forward`. The
+blocks cast Q, K and V to FP8 in their own graph (`fp8_attention`), where Inductor fuses the casts
+into the kernels that make them, so the op reads FP8 and writes bf16.
+
+Q and K are cast unscaled: RMS-normalized per head, then rotated (RoPE keeps each pair's norm), no
+entry exceeds sqrt(head_dim) x the norm's largest weight, which `unit_scale_problem` checks against
+FP8's range for every block. A scale from their abs-max would cost a pass over each before the cast
+can start: 4 ms of a FLUX.1-dev step on an H100, most of what the FP8 kernel saves (BENCHMARKS.md).
+V, unnormalized, is scaled per head (`quantize_per_head`).
 """
 
 from __future__ import annotations
@@ -115,19 +121,52 @@ def fp8_attention(
     _parallel_config: Any = None,
 ) -> torch.Tensor:
     """Attention with diffusers' backend signature (`query` (batch, seq, heads, head_dim), bf16):
-    Q, K and V quantized per head (`quantize_per_head`), then `fp8_forward`. Output in `query`'s
-    dtype.
+    Q and K cast to FP8 unscaled (`unit_scaled`), V scaled per head (`quantize_per_head`), then
+    `fp8_forward`. Output in `query`'s dtype.
 
     Raises:
         ValueError: a mask, causal attention or the log-sum-exp was asked for (not supported).
     """
     if attn_mask is not None or is_causal or return_lse:
         raise ValueError("fa3-fp8 attention supports no mask, no causal attention and no returned log-sum-exp")
-    kv_heads = key.shape[2]
-    q, q_descale = quantize_per_head(query, kv_heads)
-    k, k_descale = quantize_per_head(key, kv_heads)
-    v, v_descale = quantize_per_head(value, kv_heads)
-    return fp8_forward(q, k, v, q_descale, k_descale, v_descale, scale).to(query.dtype)
+    v, v_descale = quantize_per_head(value, key.shape[2])
+    unit = torch.ones_like(v_descale)
+    q, k = (unit_scaled(t) for t in (query, key))
+    return fp8_forward(q, k, v, unit, unit, v_descale, scale).to(query.dtype)
+
+
+def unit_scaled(x: torch.Tensor) -> torch.Tensor:
+    """`x` as float8_e4m3fn without a scale, saturated at +-`E4M3_MAX` (torch's cast does not
+    saturate: a larger value would become NaN). For Q and K within `unit_scale_problem`'s bound."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+# The per-head RMS norms of queries and keys in diffusers' attention modules (image and text streams).
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def unit_scale_problem(blocks: list[torch.nn.Module], head_dim: int) -> str | None:
+    """Why `fa3-fp8` cannot cast these blocks' Q and K unscaled (`unit_scaled`), or None.
+
+    An RMS norm's output over `head_dim` entries has no entry above sqrt(head_dim) in size (their
+    squares average to 1), times its weight; RoPE rotates pairs, keeping their norm. So a block
+    passes where its attention normalizes queries and keys (`norm_q`, `norm_k`) and no such norm's
+    largest weight exceeds E4M3_MAX / sqrt(head_dim) (39.6 at head dim 128).
+    """
+    limit = E4M3_MAX / head_dim**0.5
+    for index, block in enumerate(blocks):
+        norms = {name: m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in QK_NORMS}
+        if not {"norm_q", "norm_k"} <= {name.rsplit(".", 1)[-1] for name in norms}:
+            return f"block {index} ({type(block).__name__}) does not RMS-normalize its queries and keys"
+        for name, norm in norms.items():
+            weight = getattr(norm, "weight", None)
+            largest = 1.0 if weight is None else weight.detach().abs().max().item()
+            if largest > limit:
+                return (
+                    f"block {index} ({type(block).__name__}) {name} has a weight of {largest:.1f}, above "
+                    f"{limit:.1f}: its queries or keys may exceed FP8's range"
+                )
+    return None
 
 
 @contextlib.contextmanager

@@ -4,11 +4,20 @@ only the op's fake implementation, so this runs on the CPU; the kernel itself ru
 
 import pytest
 import torch
-from conftest import load_tiny, tiny_options
+from conftest import decided, load_tiny, tiny_options
 
 from aot.blocks import repeated_blocks
-from aot.export import _capture_classes, export_block
-from aot.fa3 import E4M3_MAX, attention_backend, fa3_op, fp8_attention, quantize_per_head
+from aot.export import _capture_classes, compile_blocks, export_block
+from aot.fa3 import (
+    E4M3_MAX,
+    attention_backend,
+    fa3_op,
+    fp8_attention,
+    quantize_per_head,
+    unit_scale_problem,
+    unit_scaled,
+)
+from aot.plans import PLANS, Plan
 from aot.target import Target
 
 # float8_e4m3fn keeps 3 mantissa bits: a normal value rounds to within half a unit in the last
@@ -70,3 +79,70 @@ def test_a_block_exported_under_fa3_fp8_quantizes_in_its_graph_and_calls_the_op(
     with pytest.raises(RuntimeError, match="boom"), attention_backend("fa3-fp8"):
         raise RuntimeError("boom")
     assert registry._backends[attention_dispatch.AttentionBackendName._FLASH_3] is flash_3
+
+
+def test_an_rms_normed_rotated_head_stays_within_sqrt_head_dim_times_its_largest_weight():
+    """The bound `unit_scale_problem` rests on, with diffusers' own RMSNorm and RoPE: each head row
+    normalized, weighted, then rotated pairwise. A row with all its energy in one entry reaches it."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    dim = 128
+    norm = RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim) * 3)
+    x = torch.randn(1, 6, 256, dim) * torch.logspace(-3, 3, 256)[:, None]  # (batch, heads, tokens, dim)
+    x[0, 0, 0] = 0
+    x[0, 0, 0, int(norm.weight.argmax())] = 5.0  # one entry carries the row
+    angles = torch.rand(256, dim // 2) * 6.3
+    rope = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+    with torch.no_grad():
+        out = apply_rotary_emb(norm(x), rope)
+    bound = dim**0.5 * norm.weight.abs().max().item()
+    assert out.abs().max() <= bound * (1 + 1e-5)
+    assert out.abs().max() >= 0.7 * bound  # nearly reached: the bound is not loose by construction
+
+
+def test_unit_scaled_saturates_where_torch_cast_makes_nan():
+    x = torch.tensor([0.5, -3.25, 448.0, 1000.0, -1e4])
+    assert torch.isnan(x.to(torch.float8_e4m3fn).float()).any()  # what the clamp is for
+    assert unit_scaled(x).float().tolist() == [0.5, -3.25, 448.0, 448.0, -448.0]
+
+
+def test_unit_scale_problem_names_the_block_and_norm_beyond_fp8_range():
+    blocks = repeated_blocks(load_tiny().transformer)
+    every = [b for found in blocks.values() for b in found]
+    assert unit_scale_problem(every, 128) is None  # RMS norms of weight 1: 11.3 at most
+    with torch.no_grad():
+        every[1].attn.norm_k.weight[3] = -50.0
+    assert unit_scale_problem(every, 128) == (
+        "block 1 (FluxTransformerBlock) attn.norm_k has a weight of 50.0, above 39.6: "
+        "its queries or keys may exceed FP8's range"
+    )
+    assert unit_scale_problem(every, 1) is None  # 448 / sqrt(1): room for 50
+    every[2].attn.norm_q = None
+    assert unit_scale_problem(every[2:], 1) == (
+        f"block 0 ({type(every[2]).__name__}) does not RMS-normalize its queries and keys"
+    )
+
+
+def test_fa3_fp8_falls_back_with_the_reason_where_a_norm_could_overflow(monkeypatch):
+    """The trial refuses before compiling where one block's norm could push Q or K past FP8's range.
+    Stand-ins for a Hopper GPU the CPU is not: FA3 passes its checks (`resolve_attention`), and a
+    plan whose attention trials are fa3-fp8, then SDPA."""
+    from aot import plans
+
+    monkeypatch.setattr(plans, "resolve_attention", lambda *args: plans.Decision("attention", "fa3", "auto"))
+    hopper = Plan("sm_90", ("fa3-fp8", "sdpa"), (), "a plan with FP8 attention")
+    monkeypatch.setattr(plans, "PLANS", (((9, 0), (9, 9), hopper), *PLANS[1:]))
+    pipe = load_tiny()
+    with torch.no_grad():
+        pipe.transformer.single_transformer_blocks[0].attn.norm_q.weight.fill_(200.0)
+    compiled = compile_blocks(*decided(pipe, tiny_options(plan="9.0")))
+    attention = compiled.decisions[1]
+    assert attention.value == "sdpa"
+    assert attention.reason.startswith(
+        "plan sm_90: fa3-fp8 failed its trial (RuntimeError: Q and K cannot be cast to FP8 unscaled: "
+        "block 2 (FluxSingleTransformerBlock) attn.norm_q has a weight of 200.0"
+    ), attention
