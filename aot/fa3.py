@@ -148,23 +148,25 @@ QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 def unit_scale_problem(blocks: list[torch.nn.Module], head_dim: int) -> str | None:
     """Why `fa3-fp8` cannot cast these blocks' Q and K unscaled (`unit_scaled`), or None.
 
-    An RMS norm's output over `head_dim` entries has no entry above sqrt(head_dim) in size (their
-    squares average to 1), times its weight; RoPE rotates pairs, keeping their norm. So a block
-    passes where its attention normalizes queries and keys (`norm_q`, `norm_k`) and no such norm's
-    largest weight exceeds E4M3_MAX / sqrt(head_dim) (39.6 at head dim 128).
+    An RMS norm's (or a layer norm's) output over `head_dim` entries has no entry above
+    sqrt(head_dim) in size before its weight (their squares average to 1), so none above
+    sqrt(head_dim) x its largest weight + its largest bias after; RoPE rotates pairs, keeping their
+    norm. A block passes where its attention normalizes queries and keys (`norm_q`, `norm_k`) and
+    every such bound is within `E4M3_MAX` (a largest weight of 39.6 at head dim 128, no bias).
+    What a block does between the norm and attention other than RoPE is left to the trial's parity check.
     """
-    limit = E4M3_MAX / head_dim**0.5
     for index, block in enumerate(blocks):
         norms = {name: m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in QK_NORMS}
         if not {"norm_q", "norm_k"} <= {name.rsplit(".", 1)[-1] for name in norms}:
-            return f"block {index} ({type(block).__name__}) does not RMS-normalize its queries and keys"
+            return f"block {index} ({type(block).__name__}) does not normalize its queries and keys"
         for name, norm in norms.items():
-            weight = getattr(norm, "weight", None)
+            weight, bias = (getattr(norm, part, None) for part in ("weight", "bias"))
             largest = 1.0 if weight is None else weight.detach().abs().max().item()
-            if largest > limit:
+            bound = head_dim**0.5 * largest + (0.0 if bias is None else bias.detach().abs().max().item())
+            if bound > E4M3_MAX:
                 return (
-                    f"block {index} ({type(block).__name__}) {name} has a weight of {largest:.1f}, above "
-                    f"{limit:.1f}: its queries or keys may exceed FP8's range"
+                    f"block {index} ({type(block).__name__}) {name}: its outputs may reach {bound:.0f}, "
+                    f"beyond FP8's {E4M3_MAX:.0f} (largest weight {largest:.1f})"
                 )
     return None
 

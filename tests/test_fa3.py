@@ -117,13 +117,17 @@ def test_unit_scale_problem_names_the_block_and_norm_beyond_fp8_range():
     with torch.no_grad():
         every[1].attn.norm_k.weight[3] = -50.0
     assert unit_scale_problem(every, 128) == (
-        "block 1 (FluxTransformerBlock) attn.norm_k has a weight of 50.0, above 39.6: "
-        "its queries or keys may exceed FP8's range"
+        "block 1 (FluxTransformerBlock) attn.norm_k: its outputs may reach 566, beyond FP8's 448 (largest weight 50.0)"
     )
-    assert unit_scale_problem(every, 1) is None  # 448 / sqrt(1): room for 50
+    assert unit_scale_problem(every, 1) is None  # head dim 1: 50 is within 448
+    layer_norm = torch.nn.LayerNorm(128)  # a bias counts on top: 11.3 x 1 + 440 > 448
+    with torch.no_grad():
+        every[1].attn.norm_k = layer_norm
+        layer_norm.bias[0] = 440.0
+    assert "attn.norm_k: its outputs may reach 451" in unit_scale_problem(every, 128)
     every[2].attn.norm_q = None
     assert unit_scale_problem(every[2:], 1) == (
-        f"block 0 ({type(every[2]).__name__}) does not RMS-normalize its queries and keys"
+        f"block 0 ({type(every[2]).__name__}) does not normalize its queries and keys"
     )
 
 
@@ -138,11 +142,11 @@ def test_fa3_fp8_falls_back_with_the_reason_where_a_norm_could_overflow(monkeypa
     monkeypatch.setattr(plans, "PLANS", (((9, 0), (9, 9), hopper), *PLANS[1:]))
     pipe = load_tiny()
     with torch.no_grad():
-        pipe.transformer.single_transformer_blocks[0].attn.norm_q.weight.fill_(200.0)
+        pipe.transformer.single_transformer_blocks[0].attn.norm_q.weight.fill_(200.0)  # x sqrt(16), its head dim
     compiled = compile_blocks(*decided(pipe, tiny_options(plan="9.0")))
     attention = compiled.decisions[1]
     assert attention.value == "sdpa"
     assert attention.reason.startswith(
         "plan sm_90: fa3-fp8 failed its trial (RuntimeError: Q and K cannot be cast to FP8 unscaled: "
-        "block 2 (FluxSingleTransformerBlock) attn.norm_q has a weight of 200.0"
+        "block 2 (FluxSingleTransformerBlock) attn.norm_q: its outputs may reach 800, beyond FP8's 448"
     ), attention

@@ -1011,7 +1011,9 @@ def main(argv: list[str] | None = None) -> int:
     if "warm" in wanted and "all" not in wanted:
         parser.error("--scenarios: warm starts from the packages `all` saves; add all")
     if args.family and ({"warm", *ZEROGPU} & set(wanted)):
-        parser.error("--family measures eager, aot, aot+fa3, aot+fp8, all and sm120; warm and zerogpu run FLUX.1-dev")
+        parser.error(
+            "--family measures eager, aot, aot+fa3, aot+fp8, all, fa3-fp8 and sm120; warm and zerogpu run FLUX.1-dev"
+        )
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         logs = Path(args.logs or work)
