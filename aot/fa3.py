@@ -93,21 +93,15 @@ def _(q, k, v, q_descale, k_descale, v_descale, softmax_scale=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.bfloat16)
 
 
-def quantize_per_head(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (batch, seq, heads, head_dim), any float dtype, as float8_e4m3fn scaled per batch and
-    per KV head (a query head shares the scale of the KV head it reads: FA3's descale is
-    (batch, kv_heads)), so that each group's abs-max maps to `E4M3_MAX`. Returns the FP8 tensor
-    (same shape) and its descale, float32 (batch, kv_heads): x ~= fp8 * descale. An all-zero group
-    gets descale 1."""
-    batch, seq, heads, _ = x.shape
-    group = heads // kv_heads
+    head so that each head's abs-max maps to `E4M3_MAX`. Returns the FP8 tensor (same shape) and
+    its descale, float32 (batch, heads): x ~= fp8 * descale. An all-zero head gets descale 1."""
     # In two steps: over each head's row first (contiguous, fused into the kernel that makes `x`),
     # then over the tokens' row maxima (batch x seq x heads values).
-    rows = x.abs().amax(dim=-1).float()
-    amax = rows.reshape(batch, seq, kv_heads, group).amax(dim=(1, 3))
+    amax = x.abs().amax(dim=-1).float().amax(dim=1)
     descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    per_head = descale.repeat_interleave(group, dim=1)[:, None, :, None]
-    return (x.float() / per_head).to(torch.float8_e4m3fn), descale
+    return (x.float() / descale[:, None, :, None]).to(torch.float8_e4m3fn), descale
 
 
 def fp8_attention(
@@ -129,7 +123,7 @@ def fp8_attention(
     """
     if attn_mask is not None or is_causal or return_lse:
         raise ValueError("fa3-fp8 attention supports no mask, no causal attention and no returned log-sum-exp")
-    v, v_descale = quantize_per_head(value, key.shape[2])
+    v, v_descale = quantize_per_head(value)  # (batch, kv_heads): FA3's descale shape for all three
     unit = torch.ones_like(v_descale)
     q, k = (unit_scaled(t) for t in (query, key))
     return fp8_forward(q, k, v, unit, unit, v_descale, scale).to(query.dtype)
