@@ -19,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 from typing import Any, Iterator
 
 import torch
+
+from aot.blocks import repeated_blocks
 
 # kernels-community/flash-attn3's major version: the one diffusers 0.42 pins for its FA3 backend.
 FA3_KERNEL_VERSION = 1
@@ -135,34 +138,59 @@ def unit_scaled(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-# The per-head RMS norms of queries and keys in diffusers' attention modules (image and text streams).
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+def unit_scale_problem(transformer: torch.nn.Module) -> str | None:
+    """Why `fa3-fp8` cannot cast the queries and keys of `transformer`'s repeated blocks to FP8
+    unscaled (`unit_scaled`), or None.
 
-
-def unit_scale_problem(blocks: list[torch.nn.Module], head_dim: int) -> str | None:
-    """Why `fa3-fp8` cannot cast these blocks' Q and K unscaled (`unit_scaled`), or None.
-
-    An RMS norm's (or a layer norm's) output over `head_dim` entries has no entry above
-    sqrt(head_dim) in size before its weight (their squares average to 1), so none above
-    sqrt(head_dim) x its largest weight + its largest bias after; RoPE rotates pairs, keeping their
-    norm. A block passes where its attention normalizes queries and keys (`norm_q`, `norm_k`) and
-    every such bound is within `E4M3_MAX` (a largest weight of 39.6 at head dim 128, no bias).
-    What a block does between the norm and attention other than RoPE is left to the trial's parity check.
+    A norm over n entries (RMS or layer norm) leaves none above sqrt(n) in size before its weight
+    (their squares average to 1); its weight and bias then bound each entry, and each pair of
+    entries, which RoPE rotates keeping the pair's length, by sqrt(n) x the largest weight +
+    sqrt(2) x the largest bias. A block passes where each attention module in it (a module with a
+    `norm_q`) normalizes its queries and keys (`norm_q`, `norm_k`, and `norm_added_q`, `norm_added_k`
+    beside text projections, `add_q_proj`) and every such bound is within `E4M3_MAX`: a largest
+    weight of 39.6 for a per-head norm at head dim 128. Anything else a block does between norm and
+    attention is left to the trial's parity check. Reads the weights: call it where they are loaded.
     """
-    for index, block in enumerate(blocks):
-        norms = {name: m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in QK_NORMS}
-        if not {"norm_q", "norm_k"} <= {name.rsplit(".", 1)[-1] for name in norms}:
-            return f"block {index} ({type(block).__name__}) does not normalize its queries and keys"
-        for name, norm in norms.items():
-            weight, bias = (getattr(norm, part, None) for part in ("weight", "bias"))
-            largest = 1.0 if weight is None else weight.detach().abs().max().item()
-            bound = head_dim**0.5 * largest + (0.0 if bias is None else bias.detach().abs().max().item())
-            if bound > E4M3_MAX:
-                return (
-                    f"block {index} ({type(block).__name__}) {name}: its outputs may reach {bound:.0f}, "
-                    f"beyond FP8's {E4M3_MAX:.0f} (largest weight {largest:.1f})"
-                )
+    paths = {id(module): path for path, module in transformer.named_modules()}
+    for found in repeated_blocks(transformer).values():
+        for block in found:
+            problem = _block_problem(block, paths[id(block)])
+            if problem:
+                return problem
     return None
+
+
+def _block_problem(block: torch.nn.Module, at: str) -> str | None:
+    """`unit_scale_problem` for one block, at path `at` in the transformer, which its message names."""
+    attentions = {path: m for path, m in block.named_modules() if hasattr(m, "norm_q")}
+    if not attentions:
+        return f"{at} ({type(block).__name__}) has no attention module with a query norm (norm_q)"
+    for path, attention in attentions.items():
+        text = getattr(attention, "add_q_proj", None) is not None
+        for part in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            norm, where = getattr(attention, part, None), ".".join(p for p in (at, path, part) if p)
+            if norm is None and (part in ("norm_q", "norm_k") or text):
+                return f"{where} is missing: its queries or keys are not normalized"
+            bound = None if norm is None else _output_bound(norm)
+            if norm is not None and bound is None:
+                return f"{where}: cannot tell how many entries {type(norm).__name__} normalizes over"
+            if bound is not None and bound > E4M3_MAX:
+                return f"{where}: its outputs may reach {bound:.0f}, beyond FP8's {E4M3_MAX:.0f}"
+    return None
+
+
+def _output_bound(norm: torch.nn.Module) -> float | None:
+    """sqrt(n) x the largest weight + sqrt(2) x the largest bias (`unit_scale_problem`), n the
+    entries `norm` normalizes over (torch's `normalized_shape`, diffusers' `dim`); None where
+    neither is there."""
+    shape = getattr(norm, "normalized_shape", None) or getattr(norm, "dim", None)
+    if shape is None:
+        return None
+    entries = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
+    weight, bias = (getattr(norm, part, None) for part in ("weight", "bias"))
+    largest = 1.0 if weight is None else weight.detach().abs().max().item()
+    shift = 0.0 if bias is None else bias.detach().abs().max().item()
+    return entries**0.5 * largest + 2**0.5 * shift
 
 
 @contextlib.contextmanager

@@ -55,7 +55,7 @@ class Options:
         metadata=_option(
             "AOT_ATTENTION",
             "attention inside the compiled blocks: fa3 (FlashAttention-3, Hopper GPUs), fa3-fp8 (its FP8"
-            " forward: Q, K, V scaled per head), sdpa, or auto",
+            " forward: Q and K unscaled where their norms bound them, V scaled per head), sdpa, or auto",
             choices=("auto", "fa3", "fa3-fp8", "sdpa"),
         ),
     )

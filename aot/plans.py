@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aot.fa3 import FA3_KERNELS, load_fa3
+from aot.fa3 import FA3_KERNELS, load_fa3, unit_scale_problem
 from aot.model_config import attention_head_dim
 from aot.options import Options
 from aot.zerogpu_limits import ON_ZEROGPU
@@ -98,8 +98,8 @@ class Walk:
     decision it ends in reads. The compile path walks `steps` (`export.compile_blocks`), the load
     path looks for a package of each (`loading.load_packages`); neither reads the options again.
 
-    name: "attention" or "fp8"; asked: the option as given ("auto", "fa3", "sdpa"; "auto", "on",
-    "off"); steps: what to try, in order (attention kernels; FP8 granularities, bf16 after them);
+    name: "attention" or "fp8"; asked: the option as given ("auto", "fa3", "fa3-fp8", "sdpa"; "auto",
+    "on", "off"); steps: what to try, in order (attention kernels; FP8 granularities, bf16 after them);
     origin: what chose the steps ("plan sm_90", "requested", "fp8_granularity=row"); notes: the
     plan's steps left out, each with why; off: why there are no steps (fp8 off); required: asked
     for explicitly (`fp8=on`): a failed last step raises, and no error bound sends a block back to bf16.
@@ -123,7 +123,9 @@ class Walk:
 def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, device: torch.device) -> Walk:
     """The attention kernels to trial, in order (the plan's with `auto`, else the one asked for),
     with a note for each of the plan's kernels left out: FA3 only where `resolve_attention`'s checks
-    pass (Hopper, dtype, head dim, a kernel that loads).
+    pass (Hopper, dtype, head dim, a kernel that loads), `fa3-fp8` only where the blocks' norms
+    bound Q and K (`fa3.unit_scale_problem`). Decided before any capture, so the load path never
+    looks for packages of a kernel left out.
 
     Raises:
         RuntimeError: `attention=fa3` or `fa3-fp8` was asked for and cannot run (`resolve_attention`).
@@ -138,6 +140,11 @@ def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, d
             for kernel in [k for k in kernels if k in FA3_KERNELS]:
                 kernels.remove(kernel)
                 skipped.append(f"{kernel} skipped ({checked.reason.removeprefix('auto: ')})")
+    if "fa3-fp8" in kernels:
+        problem = unit_scale_problem(transformer)
+        if problem:
+            kernels.remove("fa3-fp8")
+            skipped.append(f"fa3-fp8 skipped ({UNSCALED}: {problem})")
     return Walk("attention", "auto", tuple(kernels or ["sdpa"]), f"plan {plan.name}", tuple(skipped))
 
 
@@ -269,12 +276,17 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
         resolve_cuda_graphs(options, device)
 
 
+# Why fa3-fp8 is refused where a block's norms do not bound its queries and keys (`unit_scale_problem`).
+UNSCALED = "Q and K cannot be cast to FP8 unscaled"
+
+
 def resolve_attention(options: Options, transformer: torch.nn.Module, device: torch.device) -> Decision:
     """Decide the attention kernel compiled into the blocks; loads FA3 to prove it can run.
 
     Returns `fa3` (or `fa3-fp8` where asked for) only on compute capability 9.x (FA3 is a Hopper
     kernel) with a bfloat16/float16 transformer, a head dim FA3 supports (<= 256, multiple of 8)
-    and a kernel that loads.
+    and a kernel that loads; `fa3-fp8` also where every block's norms bound its queries and keys
+    (`fa3.unit_scale_problem`).
 
     Raises:
         RuntimeError: `attention=fa3` or `fa3-fp8` was asked for and one of those conditions fails.
@@ -292,6 +304,9 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
             load_fa3(options.fa3_kernel)
         except Exception as exc:  # a missing package, no network, no build for this torch version
             problem = f"FA3 kernel {options.fa3_kernel!r} did not load: {type(exc).__name__}: {exc}"
+    if problem is None and options.attention == "fa3-fp8":
+        problem = unit_scale_problem(transformer)
+        problem = problem and f"{UNSCALED}: {problem}"
     if problem is None:
         kernel = options.attention if options.attention in FA3_KERNELS else "fa3"
         return Decision("attention", kernel, f"{options.attention}: {options.fa3_kernel}")
@@ -332,4 +347,3 @@ def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:
     if requested == "on":
         raise RuntimeError(f"{name}=on cannot run: {problem}. Use --{name.replace('_', '-')} auto or off.")
     return Decision(name, "off", f"auto: {problem}", requested)
-

@@ -78,27 +78,34 @@ def test_a_block_exported_under_fa3_fp8_quantizes_in_its_graph_and_calls_the_op(
     assert registry._backends[attention_dispatch.AttentionBackendName._FLASH_3] is flash_3
 
 
-def test_an_rms_normed_rotated_head_stays_within_sqrt_head_dim_times_its_largest_weight():
-    """The bound `unit_scale_problem` rests on, with diffusers' own RMSNorm and RoPE: each head row
-    normalized, weighted, then rotated pairwise. A row with all its energy in one entry reaches it."""
+def test_a_normed_rotated_head_stays_within_the_bound_unit_scale_problem_uses():
+    """The bound `unit_scale_problem` rests on, with diffusers' RMSNorm and RoPE and torch's layer
+    norm: each head row normalized, weighted (and shifted), then rotated pairwise. A row with all its
+    energy in one entry nearly reaches it; so does a pair of equal biases rotated by 45 degrees."""
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.normalization import RMSNorm
 
+    from aot.fa3 import _output_bound
+
     torch.manual_seed(0)
     dim = 128
-    norm = RMSNorm(dim, eps=1e-6)
+    rms, layer = RMSNorm(dim, eps=1e-6), torch.nn.LayerNorm(dim)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(dim) * 3)
+        rms.weight.copy_(torch.rand(dim) * 3)
+        layer.bias[:2] = 40.0
     x = torch.randn(1, 6, 256, dim) * torch.logspace(-3, 3, 256)[:, None]  # (batch, heads, tokens, dim)
     x[0, 0, 0] = 0
-    x[0, 0, 0, int(norm.weight.argmax())] = 5.0  # one entry carries the row
+    x[0, 0, 0, int(rms.weight.argmax())] = 5.0  # one entry carries the row
     angles = torch.rand(256, dim // 2) * 6.3
+    angles[1, 0] = torch.pi / 4
     rope = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
-    with torch.no_grad():
-        out = apply_rotary_emb(norm(x), rope)
-    bound = dim**0.5 * norm.weight.abs().max().item()
-    assert out.abs().max() <= bound * (1 + 1e-5)
-    assert out.abs().max() >= 0.7 * bound  # nearly reached: the bound is not loose by construction
+    for norm in (rms, layer):
+        with torch.no_grad():
+            out = apply_rotary_emb(norm(x), rope)
+        bound = _output_bound(norm)
+        assert out.abs().max() <= bound * (1 + 1e-5), type(norm).__name__
+        assert out.abs().max() >= 0.7 * bound, type(norm).__name__  # not loose by construction
+    assert _output_bound(layer) == pytest.approx(dim**0.5 + 2**0.5 * 40.0)
 
 
 def test_unit_scaled_saturates_where_torch_cast_makes_nan():
@@ -107,43 +114,52 @@ def test_unit_scaled_saturates_where_torch_cast_makes_nan():
     assert unit_scaled(x).float().tolist() == [0.5, -3.25, 448.0, 448.0, -448.0]
 
 
-def test_unit_scale_problem_names_the_block_and_norm_beyond_fp8_range():
-    blocks = repeated_blocks(load_tiny().transformer)
-    every = [b for found in blocks.values() for b in found]
-    assert unit_scale_problem(every, 128) is None  # RMS norms of weight 1: 11.3 at most
+def test_unit_scale_problem_names_the_norm_beyond_fp8_range():
+    transformer = load_tiny().transformer  # head dim 16: a per-head norm's entries stay within 4 x its weights
+    assert unit_scale_problem(transformer) is None
+    doubles, singles = repeated_blocks(transformer).values()
     with torch.no_grad():
-        every[1].attn.norm_k.weight[3] = -50.0
-    assert unit_scale_problem(every, 128) == (
-        "block 1 (FluxTransformerBlock) attn.norm_k: its outputs may reach 566, beyond FP8's 448 (largest weight 50.0)"
-    )
-    assert unit_scale_problem(every, 1) is None  # head dim 1: 50 is within 448
-    layer_norm = torch.nn.LayerNorm(128)  # a bias counts on top: 11.3 x 1 + 440 > 448
+        doubles[1].attn.norm_k.weight[3] = -150.0
+    problem = "transformer_blocks.1.attn.norm_k: its outputs may reach 600, beyond FP8's 448"
+    assert unit_scale_problem(transformer) == problem
+    doubles[1].attn.norm_k = torch.nn.LayerNorm(16)
     with torch.no_grad():
-        every[1].attn.norm_k = layer_norm
-        layer_norm.bias[0] = 440.0
-    assert "attn.norm_k: its outputs may reach 451" in unit_scale_problem(every, 128)
-    every[2].attn.norm_q = None
-    assert unit_scale_problem(every[2:], 1) == (
-        f"block 0 ({type(every[2]).__name__}) does not normalize its queries and keys"
-    )
+        doubles[1].attn.norm_k.bias[5] = 314.0  # sqrt(16) + sqrt(2) x 314 = 448.1
+    problem = "transformer_blocks.1.attn.norm_k: its outputs may reach 448, beyond FP8's 448"
+    assert unit_scale_problem(transformer) == problem
+    with torch.no_grad():
+        doubles[1].attn.norm_k.bias[5] = 313.0  # 446.7
+    assert unit_scale_problem(transformer) is None
+    doubles[0].attn.norm_added_k = None  # beside add_k_proj: the text keys go unnormalized
+    problem = "transformer_blocks.0.attn.norm_added_k is missing: its queries or keys are not normalized"
+    assert unit_scale_problem(transformer) == problem
+    doubles[0].attn.norm_added_k = torch.nn.Identity()
+    problem = "transformer_blocks.0.attn.norm_added_k: cannot tell how many entries Identity normalizes over"
+    assert unit_scale_problem(transformer) == problem
+    doubles[0].attn.norm_added_k = torch.nn.RMSNorm(16)
+    singles[1].attn.norm_q = None
+    problem = "single_transformer_blocks.1.attn.norm_q is missing: its queries or keys are not normalized"
+    assert unit_scale_problem(transformer) == problem
 
 
-def test_fa3_fp8_falls_back_with_the_reason_where_a_norm_could_overflow(monkeypatch):
-    """The trial refuses before compiling where one block's norm could push Q or K past FP8's range.
-    Stand-ins for a Hopper GPU the CPU is not: FA3 passes its checks (`resolve_attention`), and a
-    plan whose attention trials are fa3-fp8, then SDPA."""
+def test_fa3_fp8_is_left_out_of_a_plan_with_the_reason_where_a_norm_could_overflow(monkeypatch):
+    """Decided before any capture: the walk leaves fa3-fp8 out, so neither the compile nor the load
+    path tries it. Stand-ins for a Hopper GPU the CPU is not: FA3 passes its checks
+    (`resolve_attention`), and a plan whose attention trials are fa3-fp8, then SDPA."""
     from aot import plans
 
     monkeypatch.setattr(plans, "resolve_attention", lambda *args: plans.Decision("attention", "fa3", "auto"))
     hopper = Plan("sm_90", ("fa3-fp8", "sdpa"), (), "a plan with FP8 attention")
     monkeypatch.setattr(plans, "PLANS", (((9, 0), (9, 9), hopper), *PLANS[1:]))
     pipe = load_tiny()
+    assert plans.Trials.resolve(tiny_options(plan="9.0"), pipe.transformer).attention.steps == ("fa3-fp8", "sdpa")
     with torch.no_grad():
         pipe.transformer.single_transformer_blocks[0].attn.norm_q.weight.fill_(200.0)  # x sqrt(16), its head dim
     compiled = compile_blocks(*decided(pipe, tiny_options(plan="9.0")))
     attention = compiled.decisions[1]
-    assert attention.value == "sdpa"
-    assert attention.reason.startswith(
-        "plan sm_90: fa3-fp8 failed its trial (RuntimeError: Q and K cannot be cast to FP8 unscaled: "
-        "block 2 (FluxSingleTransformerBlock) attn.norm_q: its outputs may reach 800, beyond FP8's 448"
-    ), attention
+    assert attention == plans.Decision(
+        "attention",
+        "sdpa",
+        "plan sm_90: fa3-fp8 skipped (Q and K cannot be cast to FP8 unscaled: "
+        "single_transformer_blocks.0.attn.norm_q: its outputs may reach 800, beyond FP8's 448) -> sdpa",
+    )

@@ -281,6 +281,7 @@ def test_fp8_on_that_fails_every_trial_raises(monkeypatch):
         ({"min_side": 1024, "max_side": 512}, ValueError, "0 < min <= max"),
         ({"max_side": 20000}, ValueError, "max_side=20000: at most 2048 px"),
         ({"attention": "fa3"}, RuntimeError, "attention=fa3 cannot run: FA3 needs a CUDA GPU"),
+        ({"attention": "fa3-fp8"}, RuntimeError, "attention=fa3-fp8 cannot run: FA3 needs a CUDA GPU"),
         ({"fp8": "on"}, RuntimeError, "fp8=on cannot run: FP8 needs a CUDA GPU"),
         ({"cuda_graphs": "on"}, RuntimeError, "cuda_graphs=on cannot run"),
         ({"save": "p", "push": "someone/blocks"}, RuntimeError, "pushing to the Hub needs a token"),
@@ -345,8 +346,9 @@ HARMLESS = ("Unable to import `torchao` Tensor objects.",)
     [
         (["--min-side", "500"], "side range 500..1536 px: both ends must be multiples of 16 with 0 < min <= max"),
         (["--attention", "fa3"], "attention=fa3 cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu."),
+        (["--attention", "fa3-fp8"], "attention=fa3-fp8 cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu."),
     ],
-    ids=["min-side", "fa3"],
+    ids=["min-side", "fa3", "fa3-fp8"],
 )
 def test_compile_py_configuration_errors_are_one_line_without_a_traceback(flags, message, capsys):
     import compile

@@ -131,7 +131,7 @@ SCENARIOS = {
     "aot+fa3": dict(attention="fa3", fp8="off"),
     "aot+fp8": dict(attention="sdpa", fp8="on"),
     "all": dict(),
-    # FA3's FP8 forward (Q, K, V per head) in place of bf16 FA3, everything else as `all`.
+    # FA3's FP8 forward (Q and K unscaled, V per head) in place of bf16 FA3, everything else as `all`.
     "fa3-fp8": dict(attention="fa3-fp8"),
     # ZeroGPU's card (an RTX Pro 6000, sm_120) rehearsed: its plan of trials (SDPA, FP8 per tensor).
     "sm120": dict(plan="12.0"),
