@@ -169,12 +169,14 @@ def _block_problem(block: torch.nn.Module, at: str) -> str | None:
         text = getattr(attention, "add_q_proj", None) is not None
         for part in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
             norm, where = getattr(attention, part, None), ".".join(p for p in (at, path, part) if p)
-            if norm is None and (part in ("norm_q", "norm_k") or text):
-                return f"{where} is missing: its queries or keys are not normalized"
-            bound = None if norm is None else _output_bound(norm)
-            if norm is not None and bound is None:
+            if norm is None:
+                if part in ("norm_q", "norm_k") or text:
+                    return f"{where} is missing: its queries or keys are not normalized"
+                continue
+            bound = _output_bound(norm)
+            if bound is None:
                 return f"{where}: cannot tell how many entries {type(norm).__name__} normalizes over"
-            if bound is not None and bound > E4M3_MAX:
+            if bound > E4M3_MAX:
                 return f"{where}: its outputs may reach {bound:.0f}, beyond FP8's {E4M3_MAX:.0f}"
     return None
 
