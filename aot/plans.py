@@ -141,10 +141,10 @@ def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, d
                 kernels.remove(kernel)
                 skipped.append(f"{kernel} skipped ({checked.reason.removeprefix('auto: ')})")
     if "fa3-fp8" in kernels:
-        problem = unit_scale_problem(transformer)
+        problem = _unscaled_problem(transformer)
         if problem:
             kernels.remove("fa3-fp8")
-            skipped.append(f"fa3-fp8 skipped ({UNSCALED}: {problem})")
+            skipped.append(f"fa3-fp8 skipped ({problem})")
     return Walk("attention", "auto", tuple(kernels or ["sdpa"]), f"plan {plan.name}", tuple(skipped))
 
 
@@ -276,8 +276,11 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
         resolve_cuda_graphs(options, device)
 
 
-# Why fa3-fp8 is refused where a block's norms do not bound its queries and keys (`unit_scale_problem`).
-UNSCALED = "Q and K cannot be cast to FP8 unscaled"
+def _unscaled_problem(transformer: torch.nn.Module) -> str | None:
+    """Why `fa3-fp8` cannot run on `transformer` (a block's norms do not bound its queries and
+    keys: `fa3.unit_scale_problem`), or None."""
+    problem = unit_scale_problem(transformer)
+    return problem and f"Q and K cannot be cast to FP8 unscaled: {problem}"
 
 
 def resolve_attention(options: Options, transformer: torch.nn.Module, device: torch.device) -> Decision:
@@ -305,8 +308,7 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
         except Exception as exc:  # a missing package, no network, no build for this torch version
             problem = f"FA3 kernel {options.fa3_kernel!r} did not load: {type(exc).__name__}: {exc}"
     if problem is None and options.attention == "fa3-fp8":
-        problem = unit_scale_problem(transformer)
-        problem = problem and f"{UNSCALED}: {problem}"
+        problem = _unscaled_problem(transformer)
     if problem is None:
         kernel = options.attention if options.attention in FA3_KERNELS else "fa3"
         return Decision("attention", kernel, f"{options.attention}: {options.fa3_kernel}")
