@@ -17,7 +17,8 @@ The contract:
 * Layers kept as they are, counted by reason: a weight shared with another module (a tied `lm_head`:
   quantizing it would keep both copies), a weight that is not a plain floating Parameter, a weight
   with an all-zero row (torchao's scale is 0 there and the row dequantizes to NaN) and, in a trial,
-  a layer the prompt does not run (a vision tower: nothing would have checked it). Layers already
+  a layer the prompt does not run (a vision tower: nothing would have checked it) or one in the
+  leading blocks `auto` keeps to bring the encoder within the bound. Layers already
   in FP8 are left alone, so quantizing twice changes nothing. An fp32 weight inside a bf16/fp16 model
   (T5's `wo`, which transformers keeps in fp32 under float16) is quantized like the others and
   dequantizes back to fp32, so its matmul still runs in fp32.
@@ -45,10 +46,10 @@ from aot.plans import Decision, brief
 from aot.zerogpu_limits import ON_ZEROGPU
 
 # An encoder's outputs in FP8 vs its own outputs before (max over every hidden state, the pooled
-# output, logits); above this `auto` restores it. The blocks' bound: the same FP8 format, measured
-# the same way. e4m3 per-row rounding moves each weight by a few percent; the tiny pipelines'
-# random encoders stay within this bound except tiny-flux's CLIP (BENCHMARKS.md). Real models'
-# errors are not measured yet (no weights here).
+# output, logits); above this `auto` keeps leading blocks as they are, then restores it. The blocks'
+# bound: the same FP8 format, measured the same way. e4m3 per-row rounding moves each weight by a
+# few percent; the tiny pipelines' random encoders stay within this bound with every layer in FP8
+# except tiny-flux's CLIP (BENCHMARKS.md). Real models' errors are not measured yet (no weights here).
 TEXT_FP8_MAX_REL_ERROR = FP8_MAX_REL_ERROR
 GB = 1e9
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes Float8Tensor dequantizes to
@@ -243,15 +244,18 @@ def trial_(pipe: Any, prompt: str, option: str = "auto", max_rel_error: float = 
     encoder's device, with `output_hidden_states=True`), FP8-quantize the linear layers that run
     used (the rules of `quantize_encoder_`), run it again and compare every floating output tensor
     (each hidden state, the pooled output, logits) with `blocks.rel_error`. `auto` keeps FP8 within
-    `max_rel_error`; above it, or when anything raises, it puts the original Parameter objects
-    back and says why; outside ZeroGPU, where the weights move to the GPU once, it tries nothing. `on`
-    keeps FP8 at any finite error and raises where it cannot run (the originals back first). `off`
-    touches nothing.
+    `max_rel_error`; above it, it puts the encoder's blocks back in their own dtype one at a time,
+    first block first, and runs it again after each, until within (`_keep_leading_blocks_`: an early
+    block's rounding passes through every later one); where even all but the last block back is
+    above, or anything raises, it puts every original Parameter object back and says why. Outside
+    ZeroGPU, where the weights move to the GPU once, `auto` tries nothing. `on` keeps every layer in
+    FP8 at any finite error and raises where it cannot run (the originals back first). `off` touches
+    nothing.
 
-    Each encoder runs twice, with its original weights beside the FP8 ones at the peak (+1/2 of a
-    bf16 encoder's bytes, one encoder at a time); the originals of an encoder kept in FP8 are freed
-    when it is done. On ZeroGPU call it inside the startup GPU call, then `apply_` the result in
-    the main process.
+    Each encoder runs twice, plus once per block put back, with its original weights beside the FP8
+    ones at the peak (+1/2 of a bf16 encoder's bytes, one encoder at a time); the originals of the
+    layers kept in FP8 are freed when it is done. On ZeroGPU call it inside the startup GPU call,
+    then `apply_` the result in the main process.
 
     Raises:
         RuntimeError: `on` and the pipeline has no text encoder, an encoder has no tokenizer or its
@@ -307,19 +311,22 @@ def _trial_one_(
     encoder.eval()  # dropout off for both runs (from_pretrained leaves encoders in eval mode anyway)
     try:
         ids = _input_ids(pipe, name, prompt).to(encoder.device)
-        ran: set[str] = set()
-        hooks = [m.register_forward_pre_hook(lambda *_, p=p: ran.add(p)) for p, m in eligible.items()]
+        ran: dict[str, None] = {}  # in the order the prompt runs them
+        hooks = [m.register_forward_pre_hook(lambda *_, p=p: ran.setdefault(p)) for p, m in eligible.items()]
         try:
             reference = _outputs(encoder, ids)
         finally:
             for hook in hooks:
                 hook.remove()
         kept.update(dict.fromkeys(sorted(eligible.keys() - ran), "not run by a text prompt"))
-        tried = {path: linear for path, linear in eligible.items() if path in ran}
+        tried = {path: eligible[path] for path in ran}
         if not tried:
             return row(already > 0, note="already in FP8" if already else "no linear layer to quantize")
         _quantize_(tried, originals, kept)
         error = rel_error(_outputs(encoder, ids), reference)
+        if option == "auto" and not error <= max_rel_error:
+            within = _keep_leading_blocks_(encoder, ids, reference, tried, originals, kept, max_rel_error)
+            error = error if within is None else within
     except Exception as exc:
         return restore_or_raise(brief(exc), cause=exc)
     finally:
@@ -327,8 +334,49 @@ def _trial_one_(
     if error == float("inf"):
         return restore_or_raise("its FP8 output has NaN or inf", error)
     if option == "auto" and not error <= max_rel_error:
-        return restore_or_raise(f"above {max_rel_error:.0e}", error)
+        return restore_or_raise(f"above {max_rel_error:.0e}, also with all but its last block kept", error)
     return row(True, error)
+
+
+def block_of(path: str) -> str:
+    """The repeated block a layer path belongs to: the path up to its first index
+    (`encoder.block.3.layer.1.DenseReluDense.wi_0` -> `encoder.block.3`); a layer outside any
+    `ModuleList` (a projection head) is a block of its own."""
+    parts = path.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+    return ".".join(parts[: index + 1])
+
+
+def _keep_leading_blocks_(
+    encoder: torch.nn.Module,
+    ids: torch.Tensor,
+    reference: list[torch.Tensor],
+    tried: Mapping[str, torch.nn.Linear],
+    originals: Mapping[str, torch.nn.Parameter],
+    kept: dict[str, str],
+    max_rel_error: float,
+) -> float | None:
+    """Put the encoder's blocks back in their own dtype one at a time, in the order the prompt runs
+    them (`tried`'s order), until its outputs are within `max_rel_error`; at least the last block
+    stays in FP8. Returns the error where it got within, with the blocks put back listed in `kept`;
+    None where it did not (some blocks are then back, and the caller restores the rest).
+
+    Why the leading ones: an early block's rounding passes through every block after it. The bench's
+    random T5-XXL (24 blocks) is 2.5e-1 from its own outputs with every layer in FP8, 1.2e-1 with
+    its first block back in bf16 and 8.7e-2 with two (BENCHMARKS.md, "The random T5's FP8 trial").
+    """
+    blocks: dict[str, list[str]] = {}
+    for path in tried:
+        blocks.setdefault(block_of(path), []).append(path)
+    back: list[str] = []
+    for count, paths in enumerate(list(blocks.values())[:-1], 1):
+        _restore_(tried, {path: originals[path] for path in paths})
+        back += paths
+        error = rel_error(_outputs(encoder, ids), reference)
+        if error <= max_rel_error:
+            kept.update(dict.fromkeys(back, f"in its first {count} of {len(blocks)} blocks, kept for the bound"))
+            return error
+    return None
 
 
 def _input_ids(pipe: Any, name: str, prompt: str) -> torch.Tensor:

@@ -94,25 +94,44 @@ def test_on_puts_every_linear_layer_of_tiny_flux_in_fp8_and_the_image_stays_clos
         assert 0 < error < IMAGE_TOLERANCE, error
 
 
-def test_auto_keeps_t5_and_restores_clip_above_the_bound():
-    """tiny-flux's random 32-wide CLIP turns FP8's ~2.5% weight error into 1.4e-1 (> 1e-1), its T5 into 3.2e-2."""
+def test_auto_keeps_clips_first_block_in_bf16_where_all_of_it_in_fp8_is_above_the_bound():
+    """tiny-flux's random 32-wide CLIP turns FP8's ~2.5% weight error into 1.4e-1 (> 1e-1), its T5 into
+    3.2e-2; with CLIP's first block back in bf16 it is 7.5e-2, so `auto` keeps only that block."""
+    everything = {row.name: row for row in trial_(load_tiny(), PROMPT, "on").encoders}["text_encoder"]
+    assert everything.rel_error > text_fp8.TEXT_FP8_MAX_REL_ERROR, everything
     pipe = load_tiny()
-    clip, values = snapshot(pipe)
-    clip = {k: p for k, p in clip.items() if k[0] == "text_encoder"}
+    before, values = snapshot(pipe)
     result = trial_(pipe, PROMPT, "auto")
     rows = {row.name: row for row in result.encoders}
-    assert not rows["text_encoder"].fp8 and rows["text_encoder"].layers == ()
-    assert rows["text_encoder"].kept == {"restored": 12}
-    assert rows["text_encoder"].note == "above 1e-01"
-    said, error = str(rows["text_encoder"]), rows["text_encoder"].rel_error  # the error once, then why it was restored
-    assert said.count("rel. error") == 1 and said.endswith(f"rel. error {error:.1e}: above 1e-01"), said
-    assert rows["text_encoder"].bytes_after == rows["text_encoder"].bytes_before
-    assert rows["text_encoder_2"].fp8 and rows["text_encoder_2"].rel_error <= text_fp8.TEXT_FP8_MAX_REL_ERROR
-    assert result.layers.keys() == {"text_encoder_2"} and result.decision.value == "on"
-    assert "1e-01" in result.decision.reason
-    for key, param in parameters(pipe).items():
-        if key[0] == "text_encoder":
-            assert param is clip[key] and torch.equal(param, values[key]), key
+    clip, layers = rows["text_encoder"], linears(pipe.text_encoder)
+    assert clip.fp8 and clip.rel_error <= text_fp8.TEXT_FP8_MAX_REL_ERROR < everything.rel_error, clip
+    assert clip.kept == {"in its first 1 of 2 blocks, kept for the bound": 6}, clip
+    first = {p for p in layers if text_fp8.block_of(p) == "encoder.layers.0"}
+    assert len(first) == 6 and set(clip.layers) == set(layers) - first
+    for path in first:
+        key = ("text_encoder", f"{path}.weight")
+        assert not is_fp8(layers[path]) and layers[path].weight is before[key], path
+        assert torch.equal(layers[path].weight, values[key]) and "extra_repr" not in layers[path].__dict__, path
+    assert all(is_fp8(layers[path]) for path in clip.layers)
+    assert clip.bytes_before > clip.bytes_after > everything.bytes_after
+    said = str(clip)
+    assert "kept: 6 in its first 1 of 2 blocks, kept for the bound" in said and said.count("rel. error") == 1, said
+    assert rows["text_encoder_2"].fp8 and rows["text_encoder_2"].kept == {}
+    assert result.layers.keys() == {"text_encoder", "text_encoder_2"} and result.decision.value == "on"
+
+    fresh = load_tiny()
+    assert apply_(fresh, result) == {name: len(paths) for name, paths in result.layers.items()}
+    for name, encoder in text_encoders(fresh).items():
+        assert {p for p, m in linears(encoder).items() if is_fp8(m)} == set(result.layers[name]), name
+    fc1 = "encoder.layers.1.mlp.fc1"
+    assert torch.equal(linears(fresh.text_encoder)[fc1].weight.qdata, layers[fc1].weight.qdata)
+
+
+def test_block_of_a_layer_path():
+    assert text_fp8.block_of("encoder.block.3.layer.1.DenseReluDense.wi_0") == "encoder.block.3"
+    assert text_fp8.block_of("text_model.encoder.layers.0.self_attn.q_proj") == "text_model.encoder.layers.0"
+    assert text_fp8.block_of("lm_head") == "lm_head"
+    assert text_fp8.block_of("text_model.final_proj") == "text_model.final_proj"
 
 
 def test_a_failed_trial_gives_back_the_exact_parameters():
@@ -120,7 +139,8 @@ def test_a_failed_trial_gives_back_the_exact_parameters():
     before, values = snapshot(pipe)
     result = trial_(pipe, PROMPT, "auto", max_rel_error=0.0)
     assert result.decision.value == "off" and result.layers == {}
-    assert all(row.note == "above 0e+00" and row.kept == {"restored": 12} for row in result.encoders)
+    note = "above 0e+00, also with all but its last block kept"
+    assert all(row.note == note and row.kept == {"restored": 12} for row in result.encoders)
     assert_untouched(pipe, before, values)
 
 
