@@ -97,7 +97,8 @@ class Options:
         metadata=_option(
             "AOT_TEXT_FP8",
             "FP8 weights in the text encoders' linear layers (torchao weight-only; any GPU), kept per encoder where"
-            " its outputs stay close: on, off, or auto (on ZeroGPU, where every new worker moves the weights)",
+            " its outputs stay close (its first blocks kept as they are if need be): on, off, or auto (on ZeroGPU,"
+            " where every new worker moves the weights)",
             choices=("auto", "on", "off"),
         ),
     )
