@@ -186,7 +186,8 @@ def start_compile_workers(device: torch.device) -> None:
 def persistent_rows() -> Any:
     """Inductor's choices for every package, with one heuristic changed: a reduction along a row
     (`ReductionHint.INNER`) of a static width up to `PERSISTENT_ROW_MAX` is persistent, the whole row
-    in one program's registers, read once; Inductor's own limit is 1024. The layer norms over 3072
+    in one program's registers, read once; Inductor's own limit is 1024. A width known only at run
+    time, and everything with `triton.persistent_reductions` off, get Inductor's own answer. The layer norms over 3072
     features and the row abs-max before FP8 GEMMs with 3072 inputs then read their rows once instead
     of in a loop. Every other reduction is Inductor's own choice (`InductorChoices`).
 
@@ -195,6 +196,7 @@ def persistent_rows() -> Any:
     (of 9.2 ms). A limit of 16384, which takes in the single block's 15360-wide `proj_out` input, made
     that one kernel slower (8.72 against 6.92 ms a step).
     """
+    from torch._inductor import config
     from torch._inductor.choices import InductorChoices
     from torch._inductor.runtime.hints import ReductionHint
 
@@ -203,7 +205,8 @@ def persistent_rows() -> Any:
         def should_use_persistent_reduction(features: Any, cooperative_reduction: bool) -> bool:
             width = features.reduction_numel
             if (
-                not cooperative_reduction
+                config.triton.persistent_reductions  # Inductor's own off switch still turns them off
+                and not cooperative_reduction
                 and features.get_reduction_hint() == ReductionHint.INNER
                 and width.is_number
                 and int(width) <= PERSISTENT_ROW_MAX

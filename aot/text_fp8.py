@@ -23,8 +23,9 @@ The contract:
   (T5's `wo`, which transformers keeps in fp32 under float16) is quantized like the others and
   dequantizes back to fp32, so its matmul still runs in fp32.
 * `trial_` (GPU; on ZeroGPU inside the startup GPU call) quantizes each encoder in place and keeps
-  FP8 where the encoder's outputs stay within `TEXT_FP8_MAX_REL_ERROR` of its own outputs before;
-  elsewhere it puts the original Parameter objects back. It returns a `TextFP8`: plain data, picklable.
+  FP8 where the encoder's outputs stay within `TEXT_FP8_MAX_REL_ERROR` of its own outputs before,
+  with its first blocks as they were where that is what it takes; elsewhere it puts the original
+  Parameter objects back. It returns a `TextFP8`: plain data, picklable.
 * `apply_` (no GPU work: in a ZeroGPU main process the weights are emulated CUDA tensors) quantizes
   exactly the layers a `TextFP8` lists: the trial's FP8 weights, bit for bit on the same device
   (abs, amax, one IEEE division and a round-to-nearest cast: the same on CPU and CUDA, unchecked).
@@ -324,9 +325,11 @@ def _trial_one_(
             return row(already > 0, note="already in FP8" if already else "no linear layer to quantize")
         _quantize_(tried, originals, kept)
         error = rel_error(_outputs(encoder, ids), reference)
+        searched = 0
         if option == "auto" and not error <= max_rel_error:
-            within = _keep_leading_blocks_(encoder, ids, reference, tried, originals, kept, max_rel_error)
-            error = error if within is None else within
+            error, searched = _keep_leading_blocks_(
+                encoder, ids, reference, originals, tried, kept, error, max_rel_error
+            )
     except Exception as exc:
         return restore_or_raise(brief(exc), cause=exc)
     finally:
@@ -334,49 +337,60 @@ def _trial_one_(
     if error == float("inf"):
         return restore_or_raise("its FP8 output has NaN or inf", error)
     if option == "auto" and not error <= max_rel_error:
-        return restore_or_raise(f"above {max_rel_error:.0e}, also with all but its last block kept", error)
+        also = ", also with every block but its last as it was" if searched else ""
+        return restore_or_raise(f"above {max_rel_error:.0e}{also}", error)
     return row(True, error)
 
 
-def block_of(path: str) -> str:
-    """The repeated block a layer path belongs to: the path up to its first index
-    (`encoder.block.3.layer.1.DenseReluDense.wi_0` -> `encoder.block.3`); a layer outside any
-    `ModuleList` (a projection head) is a block of its own."""
-    parts = path.split(".")
-    index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
-    return ".".join(parts[: index + 1])
+def blocks(encoder: torch.nn.Module, paths: Sequence[str]) -> dict[str, list[str]]:
+    """`paths` (linear layers of `encoder`) by the repeated block holding each, blocks and layers in
+    the order of `paths`. The block classes are those transformers keeps whole on one device: the
+    `_no_split_modules` of `encoder` and of every model nested in it (T5: `T5Block`; CLIP:
+    `CLIPEncoderLayer`; Mistral3 names none, its language model `MistralDecoderLayer`). A block is
+    the outermost module of such a class; a layer in none (a projection head) is left out."""
+    from transformers import PreTrainedModel  # heavy: at first use
+
+    classes = {n for m in encoder.modules() if isinstance(m, PreTrainedModel) for n in m._no_split_modules or ()}
+    starts = {path for path, module in encoder.named_modules() if type(module).__name__ in classes}
+    grouped: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path.split(".")
+        block = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in starts), None)
+        if block is not None:
+            grouped.setdefault(block, []).append(path)
+    return grouped
 
 
 def _keep_leading_blocks_(
     encoder: torch.nn.Module,
     ids: torch.Tensor,
     reference: list[torch.Tensor],
-    tried: Mapping[str, torch.nn.Linear],
     originals: Mapping[str, torch.nn.Parameter],
+    layers: Mapping[str, torch.nn.Linear],
     kept: dict[str, str],
+    error: float,
     max_rel_error: float,
-) -> float | None:
-    """Put the encoder's blocks back in their own dtype one at a time, in the order the prompt runs
-    them (`tried`'s order), until its outputs are within `max_rel_error`; at least the last block
-    stays in FP8. Returns the error where it got within, with the blocks put back listed in `kept`;
-    None where it did not (some blocks are then back, and the caller restores the rest).
+) -> tuple[float, int]:
+    """Put the encoder's blocks (`blocks`) back as they were one at a time, in the order the prompt
+    runs them (`originals`' order: the layers in FP8), until its outputs are within `max_rel_error`
+    (`error`: theirs with every layer in FP8); the last block stays in FP8. Returns (the last run's
+    error, the blocks put back); where within, the layers put back are in `kept`, else the caller
+    restores the rest.
 
     Why the leading ones: an early block's rounding passes through every block after it. The bench's
     random T5-XXL (24 blocks) is 2.5e-1 from its own outputs with every layer in FP8, 1.2e-1 with
-    its first block back in bf16 and 8.7e-2 with two (BENCHMARKS.md, "The random T5's FP8 trial").
+    its first block back in bf16 and 8.7e-2 with two (BENCHMARKS.md, "Text encoders in FP8").
     """
-    blocks: dict[str, list[str]] = {}
-    for path in tried:
-        blocks.setdefault(block_of(path), []).append(path)
+    grouped = list(blocks(encoder, list(originals)).values())
     back: list[str] = []
-    for count, paths in enumerate(list(blocks.values())[:-1], 1):
-        _restore_(tried, {path: originals[path] for path in paths})
+    for count, paths in enumerate(grouped[:-1], 1):
+        _restore_(layers, {path: originals[path] for path in paths})
         back += paths
         error = rel_error(_outputs(encoder, ids), reference)
         if error <= max_rel_error:
-            kept.update(dict.fromkeys(back, f"in its first {count} of {len(blocks)} blocks, kept for the bound"))
-            return error
-    return None
+            kept.update(dict.fromkeys(back, f"in its first {count} of {len(grouped)} blocks, kept for the bound"))
+            return error, count
+    return error, len(grouped[:-1])
 
 
 def _input_ids(pipe: Any, name: str, prompt: str) -> torch.Tensor:

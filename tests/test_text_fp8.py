@@ -106,7 +106,7 @@ def test_auto_keeps_clips_first_block_in_bf16_where_all_of_it_in_fp8_is_above_th
     clip, layers = rows["text_encoder"], linears(pipe.text_encoder)
     assert clip.fp8 and clip.rel_error <= text_fp8.TEXT_FP8_MAX_REL_ERROR < everything.rel_error, clip
     assert clip.kept == {"in its first 1 of 2 blocks, kept for the bound": 6}, clip
-    first = {p for p in layers if text_fp8.block_of(p) == "encoder.layers.0"}
+    first = set(text_fp8.blocks(pipe.text_encoder, list(layers))["encoder.layers.0"])
     assert len(first) == 6 and set(clip.layers) == set(layers) - first
     for path in first:
         key = ("text_encoder", f"{path}.weight")
@@ -127,11 +127,37 @@ def test_auto_keeps_clips_first_block_in_bf16_where_all_of_it_in_fp8_is_above_th
     assert torch.equal(linears(fresh.text_encoder)[fc1].weight.qdata, layers[fc1].weight.qdata)
 
 
-def test_block_of_a_layer_path():
-    assert text_fp8.block_of("encoder.block.3.layer.1.DenseReluDense.wi_0") == "encoder.block.3"
-    assert text_fp8.block_of("text_model.encoder.layers.0.self_attn.q_proj") == "text_model.encoder.layers.0"
-    assert text_fp8.block_of("lm_head") == "lm_head"
-    assert text_fp8.block_of("text_model.final_proj") == "text_model.final_proj"
+def test_blocks_are_the_classes_transformers_keeps_whole_and_heads_are_left_out():
+    def classes(encoder, paths):
+        grouped = text_fp8.blocks(encoder, paths)
+        modules = dict(encoder.named_modules())
+        return {type(modules[block]).__name__ for block in grouped}, grouped
+
+    flux = load_tiny()
+    for encoder, block_class in [(flux.text_encoder_2, "T5Block"), (flux.text_encoder, "CLIPEncoderLayer")]:
+        paths = list(linears(encoder))
+        names, grouped = classes(encoder, paths)
+        assert names == {block_class} and len(grouped) == 2, grouped
+        assert [p for ps in grouped.values() for p in ps] == paths  # every layer is in a block, in order
+    qwen = load("tiny-qwen-image").text_encoder  # Qwen2.5-VL: its vision tower's blocks too, and lm_head in none
+    names, grouped = classes(qwen, list(linears(qwen)))
+    assert names == {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"}
+    assert "lm_head" in linears(qwen) and all("lm_head" not in ps for ps in grouped.values())
+    mistral = load("tiny-flux2").text_encoder  # Mistral3 names no block class; its language model does
+    assert type(mistral)._no_split_modules is None
+    names, grouped = classes(mistral, list(linears(mistral)))
+    assert "MistralDecoderLayer" in names and len(grouped) > 1
+
+
+def test_a_zero_row_in_a_leading_block_stays_as_it_is_and_the_rest_of_the_block_is_put_back():
+    pipe = load_tiny()
+    fc1 = linears(pipe.text_encoder)["encoder.layers.0.mlp.fc1"]
+    with torch.no_grad():
+        fc1.weight[3] = 0
+    clip = {row.name: row for row in trial_(pipe, PROMPT, "auto").encoders}["text_encoder"]
+    assert clip.fp8 and clip.rel_error <= text_fp8.TEXT_FP8_MAX_REL_ERROR, clip
+    assert clip.kept == {"an all-zero row (FP8 scale 0: NaN)": 1, "in its first 1 of 2 blocks, kept for the bound": 5}
+    assert not is_fp8(fc1) and len(clip.layers) == 6
 
 
 def test_a_failed_trial_gives_back_the_exact_parameters():
@@ -139,7 +165,7 @@ def test_a_failed_trial_gives_back_the_exact_parameters():
     before, values = snapshot(pipe)
     result = trial_(pipe, PROMPT, "auto", max_rel_error=0.0)
     assert result.decision.value == "off" and result.layers == {}
-    note = "above 0e+00, also with all but its last block kept"
+    note = "above 0e+00, also with every block but its last as it was"
     assert all(row.note == note and row.kept == {"restored": 12} for row in result.encoders)
     assert_untouched(pipe, before, values)
 
