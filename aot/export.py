@@ -186,10 +186,10 @@ def start_compile_workers(device: torch.device) -> None:
 def persistent_rows() -> Any:
     """Inductor's choices for every package, with one heuristic changed: a reduction along a row
     (`ReductionHint.INNER`) of a static width up to `PERSISTENT_ROW_MAX` is persistent, the whole row
-    in one program's registers, read once; Inductor's own limit is 1024. A width known only at run
-    time, and everything with `triton.persistent_reductions` off, get Inductor's own answer. The layer norms over 3072
+    in one program's registers, read once; Inductor's own limit is 1024. The layer norms over 3072
     features and the row abs-max before FP8 GEMMs with 3072 inputs then read their rows once instead
-    of in a loop. Every other reduction is Inductor's own choice (`InductorChoices`).
+    of in a loop. Every other reduction, a width known only at run time, and everything while
+    `triton.persistent_reductions` is off get Inductor's own answer (`InductorChoices`).
 
     Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): Inductor's kernels outside
     attention and GEMMs took 1.2-1.4 ms less a step for FLUX.1-dev (of 23.1-23.6 ms) and FLUX.2 klein
