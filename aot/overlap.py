@@ -19,7 +19,7 @@ A job runs with its caller's grad and inference modes and CUDA device wherever i
 thread starts with grad on, no inference mode, device 0). Jobs that compile the same code must name
 their generated files apart (`export.compile_package` does): Inductor holds a file lock named after
 the files through the build, and the job would wait for the build that waits for it. Inductor's
-CUTLASS GEMM kernels (a `max_autotune_gemm_backends` choice; `export.INDUCTOR_CONFIGS` leaves them
+CUTLASS GEMM kernels (a `max_autotune_gemm_backends` choice; `lowering.INDUCTOR_CONFIGS` leaves them
 off) are gathered in one process-wide list that a package takes after its wrapper build: with them on,
 a job's kernels would land in the package before it, so the jobs must not overlap.
 

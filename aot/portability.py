@@ -108,7 +108,7 @@ def precompile_headers(device: torch.device) -> list[str]:
     compiler and the command line, and builds it under a file lock, so a compile that asks while
     this one builds waits for it). Where anything here differs from what the compile asks, the
     compile builds its own header, as it would without this: slower, never wrong. The header is
-    built outside `export.INDUCTOR_CONFIGS`, which therefore holds no C++ build flag. A failure is
+    built outside `lowering.INDUCTOR_CONFIGS`, which therefore holds no C++ build flag. A failure is
     logged, not raised: the compile meets the same problem and raises it.
     """
     try:

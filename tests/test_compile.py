@@ -16,7 +16,8 @@ from aot.blocks import block_constants, patch_forward, patched_forward, rel_erro
 from aot.compiled import BlockPackage
 from aot.contract import contract_from_captures
 from aot.costs import COSTS
-from aot.export import capture_blocks, compile_blocks, compile_package, dynamic_shapes, export_block
+from aot.export import capture_blocks, compile_blocks, dynamic_shapes, export_block
+from aot.lowering import compile_package
 from aot.resolution import Resolution
 from aot.runner import CompiledBlock, SharedPackage, bind
 
@@ -261,7 +262,7 @@ def test_a_cuda_compile_starts_inductors_compile_workers_and_a_cpu_compile_does_
 
 
 def test_packages_keep_rows_up_to_4096_wide_in_one_program_and_ask_inductor_otherwise(monkeypatch):
-    """`export.persistent_rows` answers a question Inductor asks only while it writes Triton
+    """`lowering.persistent_rows` answers a question Inductor asks only while it writes Triton
     reductions (a GPU's), so it is asked here directly. `Row` stands in for the kernel features
     Inductor passes (what the heuristics read): a CPU machine makes no Triton kernel."""
     import sympy
@@ -270,7 +271,7 @@ def test_packages_keep_rows_up_to_4096_wide_in_one_program_and_ask_inductor_othe
     from torch._inductor.runtime.hints import ReductionHint
     from torch._inductor.virtualized import V
 
-    from aot import export
+    from aot import lowering
 
     class Row:
         def __init__(self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER):
@@ -280,7 +281,7 @@ def test_packages_keep_rows_up_to_4096_wide_in_one_program_and_ask_inductor_othe
         def get_reduction_hint(self) -> ReductionHint:
             return self.hint
 
-    ours, inductors = export.persistent_rows(), InductorChoices()
+    ours, inductors = lowering.persistent_rows(), InductorChoices()
     with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
         for width in (128, 1024, 3072, 4096):
             assert ours.should_use_persistent_reduction(Row(width), False), width

@@ -14,7 +14,7 @@ import torch
 from torch._inductor import config, cpp_builder
 
 from aot.blocks import rel_error
-from aot.export import compile_package
+from aot.lowering import compile_package
 from aot.overlap import WRAPPER_OBJECT, overlapped
 from aot.runner import bind
 

@@ -19,7 +19,8 @@ from torch._inductor import config
 
 from aot import portability
 from aot.blocks import rel_error, repeated_blocks
-from aot.export import capture_blocks, compile_package, export_block
+from aot.export import capture_blocks, export_block
+from aot.lowering import compile_package
 from aot.runner import bind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -356,7 +356,7 @@ def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
 # templates `triton_tem_*`); everything else is "other": copies, and Inductor's pointwise and
 # reduction kernels, whatever ops their names list (a RoPE and copy feeding FA3 is named
 # `block_<hex>_triton_red_fused__flash_attn_forward__to_copy_add_...`: the package's name first,
-# export.compile_package).
+# lowering.compile_package).
 FUSED = re.compile(r"(^|_)triton_(poi|red|per)_")
 KERNEL_KINDS = {
     "attention": ("flash", "fmha", "sdpa", "attention"),
