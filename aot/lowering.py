@@ -1,12 +1,14 @@
 """What every package asks of Inductor, and the call that compiles one: `compile_package`.
 
-Two changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
-the settings in `INDUCTOR_CONFIGS` and one heuristic in `persistent_rows`.
+Three changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
+the settings in `INDUCTOR_CONFIGS`, one heuristic in `persistent_rows`, and tanh-approximated GELU
+written with a sigmoid (`gelu_tanh_as_sigmoid`) before Inductor lowers the graph.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 import uuid
@@ -24,21 +26,48 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
     # row-amax and by the cast: one kernel instead of three (BENCHMARKS.md).
     "realize_opcount_threshold": 16,
 }
-# The widest row a reduction keeps in registers (`persistent_rows`): FLUX's 3072 features.
-PERSISTENT_ROW_MAX = 4096
+# The widest row a reduction keeps in registers (`persistent_rows`): FLUX's 3072 features and its
+# single block's 15360-wide `proj_out` input.
+PERSISTENT_ROW_MAX = 16384
+# sqrt(2 / pi): the constant of GELU's tanh approximation (torch.nn.GELU's docs).
+SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+def gelu_tanh_as_sigmoid(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """`aten.gelu(x, approximate="tanh")`, 0.5 x (1 + tanh(z)) with z = sqrt(2/pi) (x + 0.044715 x^3),
+    written as x sigmoid(2z): the same function, since 1 + tanh(z) = 2 sigmoid(2z). Any shape;
+    computed in float32 and returned in x's dtype, as Inductor computes the tanh form.
+
+    Inductor lowers tanh to libdevice's tanhf and sigmoid to one `exp2`. FLUX's single block
+    computes this GELU in the kernel that also quantizes `proj_out`'s 15360-wide input rows to FP8,
+    and tanhf made that kernel compute-bound: 175 us against 140 us with the sigmoid, at 4608 x 12288
+    on an H100, with 6e-5 of the FP8 bytes differing (BENCHMARKS.md, "GELU as a sigmoid").
+
+    Returns NotImplemented for the exact (erf) GELU, which a decomposition table then leaves as it is.
+    """
+    if approximate != "tanh":
+        return NotImplemented
+    xf = x.float()
+    return (xf * torch.sigmoid(2 * SQRT_2_OVER_PI * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
+
+
+# The decompositions `compile_package` runs on every exported program before Inductor sees it.
+DECOMPOSITIONS = {torch.ops.aten.gelu.default: gelu_tanh_as_sigmoid}
+
+
 @functools.cache
 def persistent_rows() -> Any:
     """Inductor's choices for every package, with one heuristic changed: a reduction along a row
     (`ReductionHint.INNER`) of a static width up to `PERSISTENT_ROW_MAX` is persistent, the whole row
     in one program's registers, read once; Inductor's own limit is 1024. The layer norms over 3072
-    features and the row abs-max before FP8 GEMMs with 3072 inputs then read their rows once instead
-    of in a loop. Every other reduction, a width known only at run time, and everything while
+    features and the row abs-max before every FP8 GEMM of FLUX's blocks then read their rows once
+    instead of in a loop. Every other reduction, a width known only at run time, and everything while
     `triton.persistent_reductions` is off get Inductor's own answer (`InductorChoices`).
 
-    Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): Inductor's kernels outside
-    attention and GEMMs took 1.2-1.4 ms less a step for FLUX.1-dev (of 23.1-23.6 ms) and FLUX.2 klein
-    (of 9.2 ms). A limit of 16384, which takes in the single block's 15360-wide `proj_out` input, made
-    that one kernel slower (8.72 against 6.92 ms a step).
+    Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, Inductor's kernels
+    outside attention and GEMMs took 1.2-1.4 ms less a step for FLUX.1-dev and FLUX.2 klein. Up to
+    16384, the single block's GELU + abs-max + cast kernel takes 122 against 140 us, once its GELU is
+    a sigmoid (`gelu_tanh_as_sigmoid`; with tanhf it took 221 against 175 us).
     """
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
@@ -61,8 +90,17 @@ def persistent_rows() -> Any:
     return PersistentRows()
 
 
+def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`exported` with `DECOMPOSITIONS` run on it; `exported` itself where it calls none of their
+    ops (a re-trace costs time)."""
+    if not any(node.target in DECOMPOSITIONS for node in exported.graph.nodes):
+        return exported
+    return exported.run_decompositions(DECOMPOSITIONS)
+
+
 def compile_package(exported: torch.export.ExportedProgram) -> bytes:
-    """AOTInductor-compile `exported` into a weights-less `.pt2` package; returns its bytes.
+    """AOTInductor-compile `exported` (after `decomposed`) into a weights-less `.pt2` package; returns
+    its bytes.
 
     Its generated files get a name of their own (`aot_inductor.model_name_for_generated_files`), not
     their code's hash: Inductor holds a file lock named after it through the C++ build, and the next
@@ -71,6 +109,7 @@ def compile_package(exported: torch.export.ExportedProgram) -> bytes:
     """
     from torch._inductor.virtualized import V
 
+    exported = decomposed(exported)
     settings = {**INDUCTOR_CONFIGS, "aot_inductor.model_name_for_generated_files": f"block_{uuid.uuid4().hex}"}
     with tempfile.TemporaryDirectory() as tmp, V.set_choices_handler(persistent_rows()):
         path = os.path.join(tmp, "package.pt2")

@@ -19,7 +19,7 @@ from aot.costs import COSTS
 from aot.export import capture_blocks, compile_blocks, dynamic_shapes, export_block
 from aot.lowering import compile_package
 from aot.resolution import Resolution
-from aot.runner import CompiledBlock, SharedPackage, bind
+from aot.runner import CompiledBlock, SharedPackage
 
 
 def compiled_blocks(pipe) -> list[CompiledBlock]:
@@ -259,52 +259,3 @@ def test_a_cuda_compile_starts_inductors_compile_workers_and_a_cpu_compile_does_
     )
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"}  # a pool even where CI has one core
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)
-
-
-def test_packages_keep_rows_up_to_4096_wide_in_one_program_and_ask_inductor_otherwise(monkeypatch):
-    """`lowering.persistent_rows` answers a question Inductor asks only while it writes Triton
-    reductions (a GPU's), so it is asked here directly. `Row` stands in for the kernel features
-    Inductor passes (what the heuristics read): a CPU machine makes no Triton kernel."""
-    import sympy
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.runtime.hints import ReductionHint
-    from torch._inductor.virtualized import V
-
-    from aot import lowering
-
-    class Row:
-        def __init__(self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER):
-            self.reduction_numel, self.hint = sympy.sympify(width), hint
-            self.numel = 4608 * self.reduction_numel  # FLUX.1-dev's 4608 image tokens at 1024x1024
-
-        def get_reduction_hint(self) -> ReductionHint:
-            return self.hint
-
-    ours, inductors = lowering.persistent_rows(), InductorChoices()
-    with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
-        for width in (128, 1024, 3072, 4096):
-            assert ours.should_use_persistent_reduction(Row(width), False), width
-        assert not inductors.should_use_persistent_reduction(Row(3072), False)  # so the heuristic changed
-        with torch._inductor.config.patch({"triton.persistent_reductions": False}):
-            assert not ours.should_use_persistent_reduction(Row(3072), False)
-        for row, cooperative in [
-            (Row(4097), False),
-            (Row(15360), False),
-            (Row(64, ReductionHint.OUTER), False),
-            (Row(3072, ReductionHint.DEFAULT), False),
-            (Row(3072), True),
-            (Row(sympy.Symbol("s0", integer=True, positive=True)), False),  # a width known at run time
-        ]:
-            expected = inductors.should_use_persistent_reduction(row, cooperative)
-            assert ours.should_use_persistent_reduction(row, cooperative) == expected, (row.reduction_numel, row.hint)
-
-    # A CPU compile asks the handler about fusions (not about persistent reductions): that the
-    # lowering consults it shows the handler is in place while the package compiles.
-    seen, real = [], ours.can_fuse
-    monkeypatch.setattr(ours, "can_fuse", lambda *args: seen.append(V.choices) or real(*args))
-    module = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).eval()
-    x = torch.randn(4, 64)
-    runner, _ = bind(compile_package(torch.export.export(module, (x,))), module)
-    assert seen and all(handler is ours for handler in seen) and V.choices is not ours
-    assert rel_error(runner(x), module(x)) < TOLERANCE

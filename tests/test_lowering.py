@@ -1,0 +1,113 @@
+"""aot/lowering.py on the CPU: the heuristic and the decomposition every package compiles with."""
+
+import math
+
+import sympy
+import torch
+import torch.nn.functional as F
+from conftest import TOLERANCE
+from torch._inductor.choices import InductorChoices
+from torch._inductor.graph import GraphLowering
+from torch._inductor.runtime.hints import ReductionHint
+from torch._inductor.virtualized import V
+
+from aot import lowering
+from aot.blocks import rel_error
+from aot.lowering import compile_package, decomposed, gelu_tanh_as_sigmoid
+from aot.runner import bind
+
+aten = torch.ops.aten
+
+
+class Row:
+    """Stands in for the kernel features Inductor passes its choices (what the heuristics read): a
+    CPU machine writes no Triton reduction, so Inductor never asks this question here."""
+
+    def __init__(self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER):
+        self.reduction_numel, self.hint = sympy.sympify(width), hint
+        self.numel = 4608 * self.reduction_numel  # FLUX.1-dev's 4608 image tokens at 1024x1024
+
+    def get_reduction_hint(self) -> ReductionHint:
+        return self.hint
+
+
+def test_rows_up_to_16384_wide_stay_in_one_program_and_inductor_answers_otherwise():
+    ours, inductors = lowering.persistent_rows(), InductorChoices()
+    with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
+        for width in (128, 1024, 3072, 4096, 12288, 15360, 16384):
+            assert ours.should_use_persistent_reduction(Row(width), False), width
+        assert not inductors.should_use_persistent_reduction(Row(3072), False)  # so the heuristic changed
+        with torch._inductor.config.patch({"triton.persistent_reductions": False}):
+            assert not ours.should_use_persistent_reduction(Row(3072), False)
+        for row, cooperative in [
+            (Row(16385), False),
+            (Row(18432), False),  # FLUX.2 dev's SwiGLU rows
+            (Row(64, ReductionHint.OUTER), False),
+            (Row(3072, ReductionHint.DEFAULT), False),
+            (Row(3072), True),
+            (Row(sympy.Symbol("s0", integer=True, positive=True)), False),  # a width known at run time
+        ]:
+            expected = inductors.should_use_persistent_reduction(row, cooperative)
+            assert ours.should_use_persistent_reduction(row, cooperative) == expected, (row.reduction_numel, row.hint)
+
+
+def exact_gelu(x: torch.Tensor) -> torch.Tensor:
+    """The tanh GELU in float64, in the sigmoid form too: float64's 1 + tanh(z) is 0 below x = -10."""
+    x = x.double()
+    return x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))
+
+
+def test_gelu_as_a_sigmoid_is_torchs_tanh_gelu():
+    x = torch.cat([torch.linspace(-12, 12, 24001), torch.tensor([-1e30, -1e4, -88.0, 0.0, 88.0, 1e4, 1e30])])
+    exact = exact_gelu(x)
+    assert torch.allclose(exact, F.gelu(x.double(), approximate="tanh"), rtol=1e-12, atol=1e-14)
+    ours = gelu_tanh_as_sigmoid(x, approximate="tanh")
+    assert ours.dtype == torch.float32
+    # Within 2e-5 of it relatively down to 1e-30 (at -9.25; the error grows with the sigmoid's
+    # argument), and within 1e-30 below. torch's own float32 form returns 0 from x = -5.2 down.
+    error = (ours.double() - exact).abs()
+    assert (error <= torch.where(exact.abs() > 1e-30, 2e-5 * exact.abs(), 1e-30)).all()
+    # In bfloat16 (the blocks' dtype), within one bfloat16 step of it.
+    ours_bf16 = gelu_tanh_as_sigmoid(x.bfloat16(), "tanh")
+    assert ours_bf16.dtype == torch.bfloat16
+    exact_bf16 = exact_gelu(x.bfloat16())  # on the same inputs, rounded to bfloat16
+    step = torch.finfo(torch.bfloat16).eps * exact_bf16.abs() + 1e-30
+    assert ((ours_bf16.double() - exact_bf16).abs() <= step).all()
+    assert gelu_tanh_as_sigmoid(x) is NotImplemented  # the exact (erf) GELU is left as it is
+
+
+def test_decomposed_rewrites_tanh_gelus_only_and_leaves_other_programs_as_they_are():
+    class Both(torch.nn.Module):
+        def forward(self, x):
+            return F.gelu(x, approximate="tanh") * F.gelu(x)
+
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    program = decomposed(torch.export.export(Both(), (x,)))
+    gelus = [node for node in program.graph.nodes if node.target is aten.gelu.default]
+    assert len(gelus) == 1 and gelus[0].kwargs.get("approximate", "none") == "none"
+    assert any(node.target is aten.sigmoid.default for node in program.graph.nodes)
+    assert rel_error(program.module()(x), Both()(x)) < 1e-2  # bfloat16 rounding of the product
+    plain = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    assert decomposed(plain) is plain  # no re-trace where nothing is rewritten
+
+
+def test_a_package_compiles_the_decomposed_program_under_the_row_choices(monkeypatch):
+    """Spies on the real Inductor calls: which program AOTInductor is given, and which choices
+    handler a CPU lowering consults (it asks about fusions there, not about persistent reductions)."""
+    programs, seen = [], []
+    compile_real = torch._inductor.aoti_compile_and_package
+    monkeypatch.setattr(
+        torch._inductor,
+        "aoti_compile_and_package",
+        lambda program, **kwargs: programs.append(program) or compile_real(program, **kwargs),
+    )
+    ours = lowering.persistent_rows()
+    fuse_real = ours.can_fuse
+    monkeypatch.setattr(ours, "can_fuse", lambda *args: seen.append(V.choices) or fuse_real(*args))
+    module = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64), torch.nn.GELU("tanh")).eval()
+    x = torch.randn(4, 64)
+    runner, _ = bind(compile_package(torch.export.export(module, (x,))), module)
+    (program,) = programs
+    assert not any(node.target is aten.gelu.default for node in program.graph.nodes)
+    assert seen and all(handler is ours for handler in seen) and V.choices is not ours
+    assert rel_error(runner(x), module(x)) < TOLERANCE
