@@ -36,18 +36,19 @@ SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 def gelu_tanh_as_sigmoid(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """`aten.gelu(x, approximate="tanh")`, 0.5 x (1 + tanh(z)) with z = sqrt(2/pi) (x + 0.044715 x^3),
     written as x sigmoid(2z): the same function, since 1 + tanh(z) = 2 sigmoid(2z). Any shape;
-    computed in float32 and returned in x's dtype, as Inductor computes the tanh form.
+    computed in float32 (float64 stays float64) and returned in x's dtype.
 
     Inductor lowers tanh to libdevice's tanhf and sigmoid to one `exp2`. FLUX's single block
     computes this GELU in the kernel that also quantizes `proj_out`'s 15360-wide input rows to FP8,
-    and tanhf made that kernel compute-bound: 175 us against 140 us with the sigmoid, at 4608 x 12288
-    on an H100, with 6e-5 of the FP8 bytes differing (BENCHMARKS.md, "GELU as a sigmoid").
+    and tanhf made that kernel compute-bound: 175 us against 140 us with the sigmoid, at
+    4608 x (3072 + 12288) on an H100, with 6e-5 of the FP8 bytes differing (BENCHMARKS.md, "GELU as
+    a sigmoid").
 
     Returns NotImplemented for the exact (erf) GELU, which a decomposition table then leaves as it is.
     """
     if approximate != "tanh":
         return NotImplemented
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.sigmoid(2 * SQRT_2_OVER_PI * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
 
 
@@ -64,10 +65,10 @@ def persistent_rows() -> Any:
     instead of in a loop. Every other reduction, a width known only at run time, and everything while
     `triton.persistent_reductions` is off get Inductor's own answer (`InductorChoices`).
 
-    Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, Inductor's kernels
-    outside attention and GEMMs took 1.2-1.4 ms less a step for FLUX.1-dev and FLUX.2 klein. Up to
-    16384, the single block's GELU + abs-max + cast kernel takes 122 against 140 us, once its GELU is
-    a sigmoid (`gelu_tanh_as_sigmoid`; with tanhf it took 221 against 175 us).
+    Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, FLUX.1-dev's step
+    took 93.7-94.0 against 95.0-95.4 ms and FLUX.2 klein's 39.8 against 40.9 ms. Up to 16384, the
+    single block's GELU + abs-max + cast kernel takes 122 against 140 us once its GELU is a sigmoid
+    (`gelu_tanh_as_sigmoid`); with tanhf, the wider limit made it slower.
     """
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
@@ -91,11 +92,16 @@ def persistent_rows() -> Any:
 
 
 def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """`exported` with `DECOMPOSITIONS` run on it; `exported` itself where it calls none of their
-    ops (a re-trace costs time)."""
-    if not any(node.target in DECOMPOSITIONS for node in exported.graph.nodes):
+    """`exported` with `DECOMPOSITIONS` run on it; `exported` itself where it calls no tanh GELU,
+    the one op they rewrite (a re-trace costs 0.35-0.72 s per FLUX block class: BENCHMARKS.md)."""
+    if not any(_is_tanh_gelu(node) for node in exported.graph.nodes):
         return exported
     return exported.run_decompositions(DECOMPOSITIONS)
+
+
+def _is_tanh_gelu(node: torch.fx.Node) -> bool:
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    return node.target is torch.ops.aten.gelu.default and approximate == "tanh"
 
 
 def compile_package(exported: torch.export.ExportedProgram) -> bytes:

@@ -17,7 +17,7 @@ order they were entered, and a job's result and error stay its own, given at its
 
 A job runs with its caller's grad and inference modes and CUDA device wherever it runs (a new
 thread starts with grad on, no inference mode, device 0). Jobs that compile the same code must name
-their generated files apart (`export.compile_package` does): Inductor holds a file lock named after
+their generated files apart (`lowering.compile_package` does): Inductor holds a file lock named after
 the files through the build, and the job would wait for the build that waits for it. Inductor's
 CUTLASS GEMM kernels (a `max_autotune_gemm_backends` choice; `lowering.INDUCTOR_CONFIGS` leaves them
 off) are gathered in one process-wide list that a package takes after its wrapper build: with them on,
