@@ -23,7 +23,8 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
     # Store a pointwise result that is read more than once when it takes more than 16 ops,
     # instead of recomputing it in every kernel that reads it (Inductor's GPU default: 30). In
     # FLUX's single block the FP8 input of proj_out, cat(attention, gelu_tanh(mlp)), is read by the
-    # row-amax and by the cast: one kernel instead of three (BENCHMARKS.md).
+    # row-amax and by the cast: one kernel instead of three (BENCHMARKS.md; measured while that
+    # 15360-wide row was reduced in a loop, before `PERSISTENT_ROW_MAX` took it in).
     "realize_opcount_threshold": 16,
 }
 # The widest row a reduction keeps in registers (`persistent_rows`): FLUX's 3072 features and its
