@@ -101,8 +101,9 @@ def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedP
 
 
 def _is_tanh_gelu(node: torch.fx.Node) -> bool:
-    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    return node.target is torch.ops.aten.gelu.default and approximate == "tanh"
+    if node.target is not torch.ops.aten.gelu.default:
+        return False
+    return node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none") == "tanh"
 
 
 def compile_package(exported: torch.export.ExportedProgram) -> bytes:
