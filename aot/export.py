@@ -47,6 +47,10 @@ TRANSFORMER = "<transformer>"
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
 # packages land far below; a larger error means the package computes something else.
 MAX_REL_ERROR = 1e-2
+# The `fa3-fp8` trial's first step, before any compile: each class's eager block with FP8 attention
+# (its linear layers in bf16) against its eager output on the captured inputs. FP8 attention may move
+# a block as far as a bf16 package may; FP8 GEMMs get their own bound after (BENCHMARKS.md, "FA3's FP8 forward").
+FP8_ATTENTION_MAX_REL_ERROR = MAX_REL_ERROR
 
 
 class Captured(NamedTuple):
@@ -199,6 +203,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
         classes = _capture_classes(pipe, blocks, target)
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
+                note = _attention_note(classes, kernel)
                 packages, granularity, walked = _compile_classes(classes, kernel, trials.fp8)
                 break
             except Exception as exc:
@@ -206,7 +211,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
                     raise
                 failed.append(f"{kernel} failed its trial ({brief(exc)})")
                 log.warning("attention: %s", failed[-1])
-    attention = trials.attention.decision(kernel, [*failed, kernel])
+    attention = trials.attention.decision(kernel, [*failed, note])
     fp8 = trials.fp8.decision(granularity or "off", walked)
     log.info("%s", attention)
     log.info("%s", fp8)
@@ -244,6 +249,36 @@ def _capture_classes(pipe: Any, blocks: dict[str, list[torch.nn.Module]], target
         contract = contract_from_captures(name, calls, points, resolution, image_range, row.text_range)
         classes[name] = Captured(block, inputs, contract, references, rows)
     return classes
+
+
+def _fp8_attention_errors(classes: dict[str, Captured]) -> dict[str, float]:
+    """Class name -> how far its eager block moves with FP8 attention (`fa3-fp8`; the linear
+    layers stay bf16): the largest ||out - ref|| / ||ref|| over the captured inputs, `ref` the eager
+    block's output there (`Captured.references`). Needs what `fa3-fp8` needs: FA3 loaded, a Hopper GPU."""
+    with attention_backend("fa3-fp8"), torch.no_grad():
+        return {
+            name: max(rel_error(c.block(**kw), ref) for kw, ref in zip(c.inputs, c.references, strict=True))
+            for name, c in classes.items()
+        }
+
+
+def _attention_note(classes: dict[str, Captured], kernel: str) -> str:
+    """What the attention decision says of `kernel`: its name, and for `fa3-fp8` the largest eager
+    block error FP8 attention makes (`_fp8_attention_errors`).
+
+    Raises:
+        RuntimeError: under `fa3-fp8`, a class's error is above `FP8_ATTENTION_MAX_REL_ERROR`.
+    """
+    if kernel != "fa3-fp8":
+        return kernel
+    errors = _fp8_attention_errors(classes)
+    worst = max(errors, key=errors.__getitem__)
+    if not errors[worst] <= FP8_ATTENTION_MAX_REL_ERROR:
+        raise RuntimeError(
+            f"{worst}: FP8 attention moves the eager block by {errors[worst]:.1e} (relative), "
+            f"above {FP8_ATTENTION_MAX_REL_ERROR:.0e}"
+        )
+    return f"{kernel} (eager blocks within {errors[worst]:.1e} of bf16 SDPA, <= {FP8_ATTENTION_MAX_REL_ERROR:.0e})"
 
 
 def _compile_classes(

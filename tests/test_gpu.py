@@ -18,6 +18,7 @@ from aot.export import MAX_REL_ERROR, compile_blocks
 from aot.fp8 import FP8_MAX_REL_ERROR
 from aot.options import Options
 from aot.pipeline import load_pipeline
+from tools.attention_error import NORMS
 from tools.bench import published_transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -80,6 +81,23 @@ def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_b
     error = rel_error(images(pipe), expected)
     print(f"fa3-fp8 images vs eager: {error:.2e}")
     assert error < FP8_MAX_REL_ERROR, f"FA3 FP8 compiled vs eager SDPA: {error:.2e}"
+
+
+def test_auto_attention_is_fa3_fp8_and_falls_back_to_fa3_where_attention_is_too_sharp():
+    """Hopper's plan tries FP8 attention first, held to `FP8_ATTENTION_MAX_REL_ERROR` on each class's
+    eager block. With the query and key norms' weights x16 (every logit x256: each query reads about
+    one key), FP8's rounding of the logits moves the blocks beyond it, and bf16 FA3 is compiled."""
+    pipe = wide_pipeline()
+    options = Options(fa3_kernel=FA3_KERNEL, fp8="off")
+    attention = compile_blocks(*decided(pipe, options)).decisions[1]
+    assert attention.value == "fa3-fp8", attention
+    for name, module in pipe.transformer.named_modules():
+        if name.rsplit(".", 1)[-1] in NORMS:
+            module.weight.data *= 16
+    attention = compile_blocks(*decided(pipe, options)).decisions[1]
+    print(attention)
+    assert attention.value == "fa3", attention
+    assert "fa3-fp8 failed its trial" in attention.reason and "FP8 attention moves the eager block" in attention.reason
 
 
 def test_fp8_blocks_stay_close_to_bf16():
@@ -247,8 +265,8 @@ def test_lora_switching_on_fa3_fp8_blocks_matches_eager_lora_and_restores_the_ba
     expected = step()  # eager bf16 + peft's LoRA layers
     pipe.unload_lora_weights()
     effect = rel_error(expected, base)
-    report = optimize(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FA3 on the H200
-    assert "attention: fa3, fp8: row, text_fp8: off, cuda_graphs: on" in report.summary(), report
+    report = optimize(pipe, Options(fa3_kernel=FA3_KERNEL, fp8="on"))  # attention auto: FP8 attention on Hopper
+    assert "attention: fa3-fp8, fp8: row, text_fp8: off, cuda_graphs: on" in report.summary(), report
     adapters = lora.Adapters(pipe, [lora_specs.LoraSpec("random", str(source), scale=4.0)], fp8_config("row"))
     layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
     before = [{n: t.clone() for n, t in lora.inner_tensors(m.weight).items()} for m in layers]
@@ -279,7 +297,7 @@ def test_zerogpu_space_compiles_in_the_worker_with_fa3_fp8_and_cuda_graphs(tmp_p
         app.wait_until_serving()
         log = app.text()
         assert "GPU granted for 1500 s, worker new" in log
-        assert "attention: fa3, fp8: row, text_fp8: on, cuda_graphs: on" in log, log[-3000:]
+        assert "attention: fa3-fp8, fp8: row, text_fp8: on, cuda_graphs: on" in log, log[-3000:]
 
         def request(seed=5, steps=4):
             path, _, _ = Client(app.url, verbose=False).predict(

@@ -163,7 +163,7 @@ def capability_checks_pass(monkeypatch, fa3: bool = True):
     ("capability", "plan", "attention", "fp8"),
     [
         (None, "cpu", ["sdpa"], []),
-        ((9, 0), "sm_90", ["fa3", "sdpa"], ["row", "tensor"]),
+        ((9, 0), "sm_90", ["fa3-fp8", "fa3", "sdpa"], ["row", "tensor"]),
         ((12, 0), "sm_120", ["sdpa"], ["tensor"]),
         ((8, 9), "sm_89", ["sdpa"], ["tensor"]),
         ((8, 0), "sm_80", ["sdpa"], []),
@@ -185,7 +185,8 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     plan, attention, fp8 = compiled.decisions
     assert (plan.value, attention.value, fp8.value) == ("sm_90", "sdpa", "off")
     assert plan.reason.startswith("forced by plan=9.0 on cpu; Hopper"), plan
-    assert re.fullmatch(r"plan sm_90: fa3 failed its trial \(.+\) -> sdpa", attention.reason), attention
+    trials = r"plan sm_90: fa3-fp8 failed its trial \(.+\) -> fa3 failed its trial \(.+\) -> sdpa"
+    assert re.fullmatch(trials, attention.reason), attention
     walk = r"plan sm_90: row failed its trial \(.+\) -> tensor failed its trial \(.+\) -> bf16"
     assert re.fullmatch(walk, fp8.reason), fp8
     assert not any(p.fp8 for p in compiled.packages.values()) and compiled.fp8_granularity is None

@@ -131,14 +131,14 @@ SCENARIOS = {
     "aot+fa3": dict(attention="fa3", fp8="off"),
     "aot+fp8": dict(attention="sdpa", fp8="on"),
     "all": dict(),
-    # FA3's FP8 forward (Q and K unscaled, V per head) in place of bf16 FA3, everything else as `all`.
-    "fa3-fp8": dict(attention="fa3-fp8"),
+    # bf16 FA3 in place of the plan's FP8 attention, everything else as `all`.
+    "fa3": dict(attention="fa3"),
     # ZeroGPU's card (an RTX Pro 6000, sm_120) rehearsed: its plan of trials (SDPA, FP8 per tensor).
     "sm120": dict(plan="12.0"),
 }
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each
 # (AOTInductor keeps user-managed constants alive after a runner is dropped, torch#194480).
-GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["fa3-fp8"], ["sm120"], ["warm"]]
+GROUPS = [["eager", "aot", "aot+fa3"], ["aot+fp8"], ["all"], ["fa3"], ["sm120"], ["warm"]]
 GROUPS += [["zerogpu"], ["zerogpu-eager"], ["lora"], ["peer"], ["peer-tensor"]]
 # What a diffusers user would pick instead, each quantized in place in its own process
 # (`compile_like_diffusers`): FP8 per row as ours, and per tensor (flux-fast's and flux-fp8-api's recipe).
@@ -1012,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--scenarios: warm starts from the packages `all` saves; add all")
     if args.family and ({"warm", *ZEROGPU} & set(wanted)):
         parser.error(
-            "--family measures eager, aot, aot+fa3, aot+fp8, all, fa3-fp8 and sm120; warm and zerogpu run FLUX.1-dev"
+            "--family measures eager, aot, aot+fa3, aot+fp8, all, fa3 and sm120; warm and zerogpu run FLUX.1-dev"
         )
     with tempfile.TemporaryDirectory() as work:
         args.work = work
