@@ -3,7 +3,8 @@ blocks through a registered custom op, in bf16 (`fa3`) or with FP8 inputs (`fa3-
 
 `fa3`: diffusers' `_flash_3` attention backend, whose op `_diffusers_flash_attn_3::_flash_attn_forward`
 has a fake implementation, so a block exports as one graph and the package calls that op at run
-time. `fa3-fp8`: the same kernel's FP8 forward through this module's op `aot_fa3::fp8_forward`. The
+time; a mask of one value per token (Chroma's) is folded into the head dim first (`fold_token_mask`).
+`fa3-fp8`: the same kernel's FP8 forward through this module's op `aot_fa3::fp8_forward`. The
 blocks cast Q, K and V to FP8 in their own graph (`fp8_attention`), where Inductor fuses the casts
 into the kernels that make them, so the op reads FP8 and writes bf16.
 
@@ -132,6 +133,78 @@ def fp8_attention(
     return fp8_forward(q, k, v, unit, unit, v_descale, scale).to(query.dtype)
 
 
+def fa3_attention(
+    flash_3: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    return_lse: bool = False,
+    _parallel_config: Any = None,
+) -> torch.Tensor:
+    """diffusers' bf16 FA3 backend `flash_3`, which takes no mask, with diffusers' backend signature
+    after it (`query` (batch, seq, heads, head_dim)): without a mask it is `flash_3`; a mask of one
+    value per token is folded into the head dim (`fold_token_mask`) and the padding cut from the output.
+
+    Raises:
+        ValueError: a mask `fold_token_mask` cannot fold, or a mask with causal attention or the
+            log-sum-exp.
+    """
+    if attn_mask is None:
+        return flash_3(
+            query=query,
+            key=key,
+            value=value,
+            scale=scale,
+            is_causal=is_causal,
+            return_lse=return_lse,
+            _parallel_config=_parallel_config,
+        )
+    if is_causal or return_lse:
+        raise ValueError("fa3 attention with a mask supports no causal attention and no returned log-sum-exp")
+    q, k, v, scale = fold_token_mask(query, key, value, attn_mask, scale)
+    return flash_3(query=q, key=k, value=v, scale=scale, _parallel_config=_parallel_config)[..., : value.shape[-1]]
+
+
+# Entries `fold_token_mask` adds to each head: the mask's, then zeros to the next multiple of 8 (FA3's head dims).
+FOLDED = 8
+
+
+def fold_token_mask(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """An additive mask m_i m_j, one value m in {0, 1} per token, folded into one more entry per head:
+    q'_i = [q_i, m_i / scale, 0...], k'_j = [k_j, m_j, 0...], v' = [v, 0...], `FOLDED` entries more,
+    so that scale q'_i . k'_j = scale q_i . k_j + m_i m_j and a kernel without masks computes the
+    masked attention. That is the mask of diffusers 0.42's Chroma blocks: their padding mask times
+    itself, (batch, 1, seq, seq), added to the scores.
+
+    `query`, `key`, `value`: (batch, seq, heads, head_dim), one sequence (self-attention);
+    `attn_mask`: floating, (batch, 1, seq, seq); `scale`: the softmax scale, None for 1/sqrt(head_dim).
+    Returns q', k', v' (head_dim + `FOLDED`), and the scale to pass with them. m is read from the
+    mask's diagonal (m_i m_i = m_i); a mask of another form gives another result, which the
+    trial's parity check against eager sees. m_i / scale is rounded to `query`'s dtype (1e-4 of
+    the added 1 in bf16).
+
+    Raises:
+        ValueError: the mask is boolean, or not (batch, 1, seq, seq) for these queries and keys.
+    """
+    batch, seq = query.shape[:2]
+    if not attn_mask.is_floating_point() or tuple(attn_mask.shape) != (batch, 1, seq, seq) or key.shape[1] != seq:
+        raise ValueError(
+            f"fa3 attention folds only an additive float mask (batch, 1, seq, seq) over one sequence; got "
+            f"a {attn_mask.dtype} mask of shape {tuple(attn_mask.shape)} for {seq} queries and {key.shape[1]} keys"
+        )
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    m = attn_mask.diagonal(dim1=-2, dim2=-1).transpose(1, 2).unsqueeze(-1)  # (batch, seq, 1, 1)
+    pad = torch.nn.functional.pad  # zeros after the last dim's entries
+    q = pad(torch.cat([query, (m.to(query.dtype) / scale).expand(*query.shape[:-1], 1)], -1), (0, FOLDED - 1))
+    k = pad(torch.cat([key, m.to(key.dtype).expand(*key.shape[:-1], 1)], -1), (0, FOLDED - 1))
+    return q, k, pad(value, (0, FOLDED)), scale
+
+
 def unit_scaled(x: torch.Tensor) -> torch.Tensor:
     """`x` as float8_e4m3fn without a scale, saturated at +-`E4M3_MAX` (torch's cast does not
     saturate: a larger value would become NaN). For Q and K within `unit_scale_problem`'s bound."""
@@ -198,15 +271,16 @@ def _output_bound(norm: torch.nn.Module) -> float | None:
 @contextlib.contextmanager
 def attention_backend(kernel: str) -> Iterator[None]:
     """Inside, diffusers' attention dispatcher runs `kernel` ("sdpa", "fa3", "fa3-fp8"): what a block
-    exported inside calls. `fa3-fp8` takes the `_flash_3` backend's place in diffusers' registry
-    while inside (diffusers has no name for it)."""
+    exported inside calls. `fa3_attention` (`fa3`) or `fp8_attention` (`fa3-fp8`) takes the `_flash_3`
+    backend's place in diffusers' registry while inside (diffusers has no name for either)."""
     from diffusers.models import attention_dispatch  # heavy: at first use
 
     name = {"sdpa": "native", "fa3": "_flash_3", "fa3-fp8": "_flash_3"}[kernel]
     registry, flash_3 = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName._FLASH_3
     original = registry._backends[flash_3]
-    if kernel == "fa3-fp8":
-        registry._backends[flash_3] = fp8_attention
+    if kernel in FA3_KERNELS:
+        replacement = fp8_attention if kernel == "fa3-fp8" else functools.partial(fa3_attention, original)
+        registry._backends[flash_3] = replacement
     try:
         with attention_dispatch.attention_backend(name):
             yield

@@ -4,19 +4,22 @@ only the op's fake implementation, so this runs on the CPU; the kernel itself ru
 
 import pytest
 import torch
-from conftest import decided, load_tiny, tiny_options
+from conftest import ROOT, decided, load_tiny, tiny_options
 
 from aot.blocks import repeated_blocks
 from aot.export import _capture_classes, compile_blocks, export_block
 from aot.fa3 import (
     E4M3_MAX,
+    FOLDED,
     attention_backend,
     fa3_op,
+    fold_token_mask,
     fp8_attention,
     quantize_per_head,
     unit_scale_problem,
     unit_scaled,
 )
+from aot.options import Options
 from aot.plans import PLANS, Plan
 from aot.target import Target
 
@@ -76,6 +79,67 @@ def test_a_block_exported_under_fa3_fp8_quantizes_in_its_graph_and_calls_the_op(
     with pytest.raises(RuntimeError, match="boom"), attention_backend("fa3-fp8"):
         raise RuntimeError("boom")
     assert registry._backends[attention_dispatch.AttentionBackendName._FLASH_3] is flash_3
+
+
+def sdpa(q, k, v, **kwargs):
+    """torch's SDPA on diffusers' layout, (batch, seq, heads, head_dim)."""
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kwargs)
+    return out.transpose(1, 2)
+
+
+def test_a_token_mask_folded_into_the_head_dim_is_the_masked_attention():
+    """Chroma's mask as diffusers 0.42 builds it, its padding mask times itself, added to the scores:
+    folded into the head dim, attention without a mask gives the masked attention."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 3, 16, dtype=torch.float64) for _ in range(3))
+    tokens = torch.ones(2, 40, dtype=torch.float64)
+    tokens[0, 5:12] = tokens[1, 20:31] = 0  # padded text tokens
+    mask = tokens[:, None, None, :] * tokens[:, None, :, None]
+    reference = sdpa(q, k, v, attn_mask=mask)
+    assert (reference - sdpa(q, k, v)).abs().max() > 1e-2  # the mask matters
+    for scale in (None, 0.3):
+        folded_q, folded_k, folded_v, folded_scale = fold_token_mask(q, k, v, mask, scale)
+        assert folded_q.shape[-1] == folded_k.shape[-1] == folded_v.shape[-1] == 16 + FOLDED
+        out = sdpa(folded_q, folded_k, folded_v, scale=folded_scale)
+        torch.testing.assert_close(out[..., :16], sdpa(q, k, v, attn_mask=mask, scale=scale), rtol=1e-12, atol=1e-12)
+        assert not out[..., 16:].any()
+    with pytest.raises(ValueError, match=r"folds only an additive float mask .* got a torch.bool mask"):
+        fold_token_mask(q, k, v, mask.bool(), None)
+    with pytest.raises(ValueError, match=r"shape \(2, 1, 40, 20\) for 40 queries and 20 keys"):
+        fold_token_mask(q, k[:, :20], v[:, :20], mask[..., :20], None)
+
+
+def test_fa3_runs_chromas_blocks_with_their_mask_folded(monkeypatch):
+    """The tiny Chroma pipeline's blocks under `fa3`: exported, each calls diffusers' FA3 op (its fake
+    implementation) once, on the folded head dim; run, they match eager SDPA with the mask. A CPU has
+    no FA3 to run: in diffusers' registry an SDPA stand-in then takes its place, refusing a mask as
+    diffusers' FA3 backend does and using the scale it is given."""
+    from diffusers import DiffusionPipeline
+    from diffusers.models import attention_dispatch
+
+    pipe = DiffusionPipeline.from_pretrained(ROOT / "assets" / "tiny-chroma")
+    head_dim = pipe.transformer.config.attention_head_dim
+
+    def flash_3(query, key, value, attn_mask=None, scale=None, is_causal=False, return_lse=False, **_):
+        assert attn_mask is None and not is_causal and not return_lse, "diffusers' FA3 refuses these"
+        assert query.shape[-1] == head_dim + FOLDED, query.shape
+        return sdpa(query, key, value, scale=scale)
+
+    target = Target.of(pipe, Options(model=str(ROOT / "assets" / "tiny-chroma"), device="cpu"))
+    classes = _capture_classes(pipe, repeated_blocks(pipe.transformer), target)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", True)  # as in the test above
+    for block, inputs, contract, _, _ in classes.values():
+        assert inputs[0]["attention_mask"] is not None
+        with attention_backend("fa3"):
+            nodes = export_block(block, inputs[0], contract).graph.nodes
+        calls = [n for n in nodes if n.target is fa3_op("fa3")]
+        assert len(calls) == 1 and calls[0].args[0].meta["val"].shape[-1] == head_dim + FOLDED
+    registry = attention_dispatch._AttentionBackendRegistry
+    monkeypatch.setitem(registry._backends, attention_dispatch.AttentionBackendName._FLASH_3, flash_3)
+    for block, inputs, _, references, _ in classes.values():
+        with attention_backend("fa3"), torch.no_grad():
+            for kwargs, reference in zip(inputs, references, strict=True):
+                torch.testing.assert_close(block(**kwargs), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_a_normed_rotated_head_stays_within_the_bound_unit_scale_problem_uses():

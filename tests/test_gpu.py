@@ -83,6 +83,28 @@ def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_b
     assert error < FP8_MAX_REL_ERROR, f"FA3 FP8 compiled vs eager SDPA: {error:.2e}"
 
 
+def test_fa3_with_chromas_mask_folded_matches_masked_sdpa():
+    """Chroma's mask (diffusers 0.42: its padding mask times itself, added to the scores) folded into
+    the head dim (128 + 8: FA3's 192 kernel) at Chroma's 1024x1024 attention shape, against SDPA
+    given the mask."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from aot.fa3 import attention_backend, load_fa3
+
+    load_fa3(FA3_KERNEL)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tokens = torch.ones(1, 4608, device="cuda", dtype=torch.bfloat16)
+    tokens[0, 100:512] = 0  # a 100-token prompt padded to 512
+    mask = tokens[:, None, None, :] * tokens[:, None, :, None]
+    reference = dispatch_attention_fn(q, k, v, attn_mask=mask)  # diffusers' default: SDPA
+    with attention_backend("fa3"):
+        out = dispatch_attention_fn(q, k, v, attn_mask=mask)
+    error, unmasked = rel_error(out, reference), rel_error(dispatch_attention_fn(q, k, v), reference)
+    print(f"fa3 with the mask folded vs masked SDPA: {error:.2e} (unmasked: {unmasked:.2e})")
+    assert error < MAX_REL_ERROR < unmasked
+
+
 def test_auto_attention_is_fa3_fp8_and_falls_back_to_fa3_where_attention_is_too_sharp():
     """Hopper's plan tries FP8 attention first, held to `FP8_ATTENTION_MAX_REL_ERROR` on each class's
     eager block. With the query and key norms' weights x16 (every logit x256: each query reads about
