@@ -170,6 +170,8 @@ def fa3_attention(
 
 # Entries `fold_token_mask` adds to each head: the mask's, then zeros to the next multiple of 8 (FA3's head dims).
 FOLDED = 8
+# FA3's largest head dim (its kernels: 64, 96, 128, 192, 256).
+FA3_MAX_HEAD_DIM = 256
 
 
 def fold_token_mask(
@@ -184,18 +186,26 @@ def fold_token_mask(
     `query`, `key`, `value`: (batch, seq, heads, head_dim), one sequence (self-attention);
     `attn_mask`: floating, (batch, 1, seq, seq); `scale`: the softmax scale, None for 1/sqrt(head_dim).
     Returns q', k', v' (head_dim + `FOLDED`), and the scale to pass with them. m is read from the
-    mask's diagonal (m_i m_i = m_i); a mask of another form gives another result, which the
-    trial's parity check against eager sees. m_i / scale is rounded to `query`'s dtype (1e-4 of
-    the added 1 in bf16).
+    mask's diagonal (m_i m_i = m_i): the fold relies on the mask being built as m_i m_j. The values
+    are not checked (they are unknown while a block is exported); a mask of another form gives
+    another result, which the trial's parity check against eager sees only where the captured
+    calls' masks show it. m_i / scale is rounded to `query`'s dtype: within 2^-9 of the added 1 in
+    bf16 (1e-4 at head dim 128).
 
     Raises:
-        ValueError: the mask is boolean, or not (batch, 1, seq, seq) for these queries and keys.
+        ValueError: the mask is boolean, or not (batch, 1, seq, seq) for these queries and keys, or
+            the head dim is above `FA3_MAX_HEAD_DIM` - `FOLDED`.
     """
     batch, seq = query.shape[:2]
     if not attn_mask.is_floating_point() or tuple(attn_mask.shape) != (batch, 1, seq, seq) or key.shape[1] != seq:
         raise ValueError(
             f"fa3 attention folds only an additive float mask (batch, 1, seq, seq) over one sequence; got "
             f"a {attn_mask.dtype} mask of shape {tuple(attn_mask.shape)} for {seq} queries and {key.shape[1]} keys"
+        )
+    if query.shape[-1] + FOLDED > FA3_MAX_HEAD_DIM:
+        raise ValueError(
+            f"fa3 attention folds a mask into head dims up to {FA3_MAX_HEAD_DIM - FOLDED} "
+            f"(FA3 takes {FA3_MAX_HEAD_DIM}); this model's is {query.shape[-1]}"
         )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     m = attn_mask.diagonal(dim1=-2, dim2=-1).transpose(1, 2).unsqueeze(-1)  # (batch, seq, 1, 1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aot.fa3 import FA3_KERNELS, load_fa3, unit_scale_problem
+from aot.fa3 import FA3_KERNELS, FA3_MAX_HEAD_DIM, load_fa3, unit_scale_problem
 from aot.model_config import attention_head_dim
 from aot.options import Options
 from aot.zerogpu_limits import ON_ZEROGPU
@@ -309,8 +309,8 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
     if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
         problem = f"FA3 supports bfloat16/float16, the transformer is {transformer.dtype}"
-    if problem is None and (head_dim > 256 or head_dim % 8):
-        problem = f"FA3 supports head dims <= 256 in multiples of 8, this model has {head_dim}"
+    if problem is None and (head_dim > FA3_MAX_HEAD_DIM or head_dim % 8):
+        problem = f"FA3 supports head dims <= {FA3_MAX_HEAD_DIM} in multiples of 8, this model has {head_dim}"
     if problem is None:
         try:
             load_fa3(options.fa3_kernel)

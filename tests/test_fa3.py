@@ -76,9 +76,10 @@ def test_a_block_exported_under_fa3_fp8_quantizes_in_its_graph_and_calls_the_op(
     assert (q.dtype, k.dtype, v.dtype) == (torch.float8_e4m3fn,) * 3
     assert calls[0].meta["val"].dtype == torch.bfloat16
     assert not any(n.target is fa3_op("fa3") for n in nodes)
-    with pytest.raises(RuntimeError, match="boom"), attention_backend("fa3-fp8"):
-        raise RuntimeError("boom")
-    assert registry._backends[attention_dispatch.AttentionBackendName._FLASH_3] is flash_3
+    for kernel in ("fa3-fp8", "fa3"):
+        with pytest.raises(RuntimeError, match="boom"), attention_backend(kernel):
+            raise RuntimeError("boom")
+        assert registry._backends[attention_dispatch.AttentionBackendName._FLASH_3] is flash_3, kernel
 
 
 def sdpa(q, k, v, **kwargs):
@@ -103,8 +104,16 @@ def test_a_token_mask_folded_into_the_head_dim_is_the_masked_attention():
         out = sdpa(folded_q, folded_k, folded_v, scale=folded_scale)
         torch.testing.assert_close(out[..., :16], sdpa(q, k, v, attn_mask=mask, scale=scale), rtol=1e-12, atol=1e-12)
         assert not out[..., 16:].any()
+    # grouped queries: 6 query heads over the 3 key heads
+    grouped = torch.randn(2, 40, 6, 16, dtype=torch.float64)
+    folded_q, folded_k, folded_v, folded_scale = fold_token_mask(grouped, k, v, mask, None)
+    out = sdpa(folded_q, folded_k, folded_v, scale=folded_scale, enable_gqa=True)[..., :16]
+    torch.testing.assert_close(out, sdpa(grouped, k, v, attn_mask=mask, enable_gqa=True), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match=r"folds only an additive float mask .* got a torch.bool mask"):
         fold_token_mask(q, k, v, mask.bool(), None)
+    wide = torch.zeros(2, 40, 1, 256, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"head dims up to 248 \(FA3 takes 256\); this model's is 256"):
+        fold_token_mask(wide, wide, wide, mask, None)
     with pytest.raises(ValueError, match=r"shape \(2, 1, 40, 20\) for 40 queries and 20 keys"):
         fold_token_mask(q, k[:, :20], v[:, :20], mask[..., :20], None)
 
@@ -227,3 +236,18 @@ def test_fa3_fp8_is_left_out_of_a_plan_with_the_reason_where_a_norm_could_overfl
         "plan sm_90: fa3-fp8 skipped (Q and K cannot be cast to FP8 unscaled: "
         "single_transformer_blocks.0.attn.norm_q: its outputs may reach 800, beyond FP8's 448) -> sdpa",
     )
+
+
+def test_fp8_attention_is_refused_above_its_bound_and_named_with_its_error_below(monkeypatch):
+    """`_attention_note`, the `fa3-fp8` trial's first step, on errors as a GPU measures them: a CPU
+    cannot run FP8 attention, so the errors `_fp8_attention_errors` would measure are given here
+    (test_gpu.py measures them)."""
+    from aot import export
+
+    monkeypatch.setattr(export, "_fp8_attention_errors", lambda classes: {"A": 2e-3, "B": 9e-3})
+    assert export._attention_note({}, "fa3-fp8") == "fa3-fp8 (eager first blocks within 9.0e-03 of eager, <= 1e-02)"
+    assert export._attention_note({}, "fa3") == "fa3"
+    monkeypatch.setattr(export, "_fp8_attention_errors", lambda classes: {"A": 2e-3, "B": 1.1e-2})
+    refused = r"^B: FP8 attention moves the eager block by 1\.1e-02 \(relative\), above 1e-02$"
+    with pytest.raises(RuntimeError, match=refused):
+        export._attention_note({}, "fa3-fp8")
