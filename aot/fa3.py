@@ -140,32 +140,24 @@ def fa3_attention(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
-    is_causal: bool = False,
-    return_lse: bool = False,
-    _parallel_config: Any = None,
+    **options: Any,
 ) -> torch.Tensor:
-    """diffusers' bf16 FA3 backend `flash_3`, which takes no mask, with diffusers' backend signature
-    after it (`query` (batch, seq, heads, head_dim)): without a mask it is `flash_3`; a mask of one
-    value per token is folded into the head dim (`fold_token_mask`) and the padding cut from the output.
+    """diffusers' bf16 FA3 backend `flash_3`, which takes no mask, called as diffusers' dispatcher
+    calls it (`query` (batch, seq, heads, head_dim); `options`: the rest of its arguments, e.g.
+    `is_causal`): without a mask it is `flash_3`; a mask of one value per token is folded into the
+    head dim (`fold_token_mask`) and the padding cut from the output.
 
     Raises:
         ValueError: a mask `fold_token_mask` cannot fold, or a mask with causal attention or the
             log-sum-exp.
     """
     if attn_mask is None:
-        return flash_3(
-            query=query,
-            key=key,
-            value=value,
-            scale=scale,
-            is_causal=is_causal,
-            return_lse=return_lse,
-            _parallel_config=_parallel_config,
-        )
-    if is_causal or return_lse:
+        return flash_3(query=query, key=key, value=value, scale=scale, **options)
+    if options.get("is_causal") or options.get("return_lse"):
         raise ValueError("fa3 attention with a mask supports no causal attention and no returned log-sum-exp")
     q, k, v, scale = fold_token_mask(query, key, value, attn_mask, scale)
-    return flash_3(query=q, key=k, value=v, scale=scale, _parallel_config=_parallel_config)[..., : value.shape[-1]]
+    parallel = options.get("_parallel_config")
+    return flash_3(query=q, key=k, value=v, scale=scale, _parallel_config=parallel)[..., : value.shape[-1]]
 
 
 # Entries `fold_token_mask` adds to each head: the mask's, then zeros to the next multiple of 8 (FA3's head dims).
