@@ -21,7 +21,7 @@ import contextlib
 import functools
 import importlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -278,16 +278,26 @@ def attention_backend(kernel: str) -> Iterator[None]:
     from diffusers.models import attention_dispatch  # heavy: at first use
 
     name = {"sdpa": "native", "fa3": "_flash_3", "fa3-fp8": "_flash_3"}[kernel]
-    registry, flash_3 = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName._FLASH_3
-    original = registry._backends[flash_3]
-    if kernel in FA3_KERNELS:
-        replacement = fp8_attention if kernel == "fa3-fp8" else functools.partial(fa3_attention, original)
-        registry._backends[flash_3] = replacement
+    wrap = {"fa3": lambda flash_3: functools.partial(fa3_attention, flash_3), "fa3-fp8": lambda _: fp8_attention}
+    swap = replaced_backend("_flash_3", wrap[kernel]) if kernel in wrap else contextlib.nullcontext()
+    with swap, attention_dispatch.attention_backend(name):
+        yield
+
+
+@contextlib.contextmanager
+def replaced_backend(name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside, diffusers' attention registry holds `wrap(original)` in place of backend `name` (an
+    `AttentionBackendName` value: "_flash_3", "native"), `original` the function it held; put back
+    on the way out, an exception included."""
+    from diffusers.models import attention_dispatch  # heavy: at first use
+
+    registry, backend = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName(name)
+    original = registry._backends[backend]
+    registry._backends[backend] = wrap(original)
     try:
-        with attention_dispatch.attention_backend(name):
-            yield
+        yield
     finally:
-        registry._backends[flash_3] = original
+        registry._backends[backend] = original
 
 
 def fa3_op(kernel: str) -> Any:

@@ -31,7 +31,7 @@ import torch
 
 from aot.blocks import rel_error, repeated_blocks
 from aot.export import capture_blocks
-from aot.fa3 import attention_backend, load_fa3
+from aot.fa3 import attention_backend, load_fa3, replaced_backend
 from aot.options import Options
 from tools.bench import PROMPTS, ROOT, environment, random_flux_dev
 
@@ -51,20 +51,17 @@ def attention_shape(query: torch.Tensor, key: torch.Tensor) -> dict[str, float]:
 def first_attention(pipe, firsts: dict[str, torch.nn.Module]) -> tuple[dict, dict[str, float]]:
     """One pipeline call at 1024x1024 (the family's `min_steps`): each block class's first block's
     captured inputs, and `attention_shape` of the first attention call diffusers' dispatcher makes."""
-    from diffusers.models import attention_dispatch
+    shape: dict[str, float] = {}
 
-    registry, native = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName.NATIVE
-    sdpa, shape = registry._backends[native], {}
+    def spy(sdpa):
+        def call(query, key, value, **kwargs):
+            shape.update(shape or attention_shape(query, key))
+            return sdpa(query=query, key=key, value=value, **kwargs)
 
-    def spy(query, key, value, **kwargs):
-        shape.update(shape or attention_shape(query, key))
-        return sdpa(query=query, key=key, value=value, **kwargs)
+        return call
 
-    registry._backends[native] = spy
-    try:
+    with replaced_backend("native", spy):
         return capture_blocks(pipe, firsts, [(1024, 1024)])[0], shape
-    finally:
-        registry._backends[native] = sdpa
 
 
 def decoded(pipe, latents: torch.Tensor, size: int) -> torch.Tensor:
