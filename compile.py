@@ -12,8 +12,9 @@ the real card, where the trials run; the pipeline reaches it through the closure
 an argument, and only the packages and the decisions cross back. Outside ZeroGPU it is a plain call.
 
 Every `auto` fast path is a trial (export, compile, load, parity against eager) in the order the
-GPU's plan gives (`plans.PLANS`, keyed by compute capability): FP8 attention -> FA3 -> SDPA, FP8 per row ->
-per tensor -> bf16, each fallback with its reason in the report; only the plain bf16 SDPA block
+GPU's plan gives (`plans.PLANS`, keyed by compute capability): on Hopper FP8 attention -> FA3 -> SDPA,
+elsewhere sage (8-bit attention in Triton, where it beats SDPA) -> SDPA; FP8 per row -> per tensor ->
+bf16; each fallback with its reason in the report; only the plain bf16 SDPA block
 has no fallback. torch's AOTI API is used directly (`torch.export.export`,
 `torch._inductor.aoti_compile_and_package`, the package loader, `load_constants`) rather than the
 `spaces.aoti_*` helpers that wrap the same steps: packages are verified before they load, every

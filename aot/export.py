@@ -19,10 +19,19 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from aot import portability
+from aot.attention import (
+    LOW_PRECISION,
+    TIMED,
+    attention_backend,
+    attention_op,
+    ms_per_call,
+    recorded_shapes,
+    speed_note,
+)
 from aot.blocks import forward_signature, pre_hooks, rel_error, repeated_blocks
 from aot.compiled import BlockPackage, Compiled
 from aot.contract import CapturedCall, Contract, contract_from_captures
-from aot.fa3 import FA3_KERNELS, attention_backend, fa3_op
+from aot.fa3 import FA3_KERNELS
 from aot.families import Family, family
 from aot.fingerprint import fingerprint
 from aot.fp8 import FP8_MAX_REL_ERROR, FP8_MIN_FEATURES, fewest_rows, fp8_config, quantize_block_
@@ -47,9 +56,10 @@ TRANSFORMER = "<transformer>"
 # Compiled block vs eager block on the captured inputs, ||out - ref|| / ||ref||. bf16 and fp32
 # packages land far below; a larger error means the package computes something else.
 MAX_REL_ERROR = 1e-2
-# The `fa3-fp8` trial's first step, before any compile: each class's first block, eager, with FP8 attention
-# (its linear layers in bf16) against its eager output on the captured inputs. FP8 attention may move
-# a block as far as a bf16 package may; FP8 GEMMs get their own bound after (BENCHMARKS.md, "FA3's FP8 forward").
+# A low-precision attention trial's first step (`fa3-fp8`, `sage`), before any compile: each class's first
+# block, eager, with that attention (its linear layers in bf16) against its eager output on the captured
+# inputs. It may move a block as far as a bf16 package may; FP8 GEMMs get their own bound after
+# (BENCHMARKS.md, "FA3's FP8 forward").
 FP8_ATTENTION_MAX_REL_ERROR = MAX_REL_ERROR
 
 
@@ -184,7 +194,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
         ValueError: no repeated blocks, or inputs the shape rule cannot describe.
         RuntimeError: a compiled bf16 block of the last attention kernel (an explicitly requested
             one, or the plan's SDPA) does not match its eager block; or an explicitly requested
-            `fa3-fp8` moves a first block by more than `FP8_ATTENTION_MAX_REL_ERROR`.
+            `fa3-fp8` or `sage` moves a first block by more than `FP8_ATTENTION_MAX_REL_ERROR`.
         Exception: what the last attention kernel's export or compile raised, or, with `fp8=on`,
             what the last FP8 granularity's trial raised.
     """
@@ -204,7 +214,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
         classes = _capture_classes(pipe, blocks, target)
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
-                note = _attention_note(classes, kernel)
+                note = _attention_note(classes, kernel, timed=trials.attention.asked == "auto")
                 packages, granularity, walked = _compile_classes(classes, kernel, trials.fp8)
                 break
             except Exception as exc:
@@ -252,35 +262,54 @@ def _capture_classes(pipe: Any, blocks: dict[str, list[torch.nn.Module]], target
     return classes
 
 
-def _fp8_attention_errors(classes: dict[str, Captured]) -> dict[str, float]:
-    """Class name -> how far its first block, eager, moves with FP8 attention (`fa3-fp8`; the
-    linear layers stay bf16): the largest ||out - ref|| / ||ref|| over the captured inputs, `ref` the
-    eager block's output there (`Captured.references`). The class's other blocks are not run: their
-    inputs are not captured. Needs what `fa3-fp8` needs: FA3 loaded, a Hopper GPU."""
-    with attention_backend("fa3-fp8"), torch.no_grad():
+def _low_precision_errors(classes: dict[str, Captured], kernel: str) -> dict[str, float]:
+    """Class name -> how far its first block, eager, moves with attention `kernel` (one of
+    `LOW_PRECISION`; the linear layers stay bf16): the largest ||out - ref|| / ||ref|| over the
+    captured inputs, `ref` the eager block's output there (`Captured.references`). The class's other
+    blocks are not run: their inputs are not captured. Needs what `kernel` needs (`fa3-fp8`: FA3
+    loaded, a Hopper GPU; `sage`: a GPU Triton compiles FP8 matmuls for)."""
+    with attention_backend(kernel), torch.no_grad():
         return {
             name: max(rel_error(c.block(**kw), ref) for kw, ref in zip(c.inputs, c.references, strict=True))
             for name, c in classes.items()
         }
 
 
-def _attention_note(classes: dict[str, Captured], kernel: str) -> str:
-    """What the attention decision says of `kernel`: its name, and for `fa3-fp8` the largest eager
-    block error FP8 attention makes (`_fp8_attention_errors`).
+def _attention_note(classes: dict[str, Captured], kernel: str, timed: bool) -> str:
+    """What the attention decision says of `kernel`: its name; where `timed` (chosen by the plan, not
+    asked for) and its gain depends on the GPU (`TIMED`), its time against SDPA's at the blocks'
+    shapes (`_timed_note`); for a low-precision
+    kernel (`LOW_PRECISION`) the largest eager block error it makes (`_low_precision_errors`).
 
     Raises:
-        RuntimeError: under `fa3-fp8`, a class's error is above `FP8_ATTENTION_MAX_REL_ERROR`.
+        RuntimeError: the kernel is not `attention.MIN_GAIN` times faster than SDPA here, or a
+            class's error is above `FP8_ATTENTION_MAX_REL_ERROR`.
     """
-    if kernel != "fa3-fp8":
-        return kernel
-    errors = _fp8_attention_errors(classes)
-    worst = max(errors, key=errors.__getitem__)
-    if not errors[worst] <= FP8_ATTENTION_MAX_REL_ERROR:
-        raise RuntimeError(
-            f"{worst}: FP8 attention moves the eager block by {errors[worst]:.1e} (relative), "
-            f"above {FP8_ATTENTION_MAX_REL_ERROR:.0e}"
-        )
-    return f"{kernel} (eager first blocks within {errors[worst]:.1e} of eager, <= {FP8_ATTENTION_MAX_REL_ERROR:.0e})"
+    notes = [_timed_note(classes, kernel)] if timed and kernel in TIMED else []
+    if kernel in LOW_PRECISION:
+        errors = _low_precision_errors(classes, kernel)
+        worst = max(errors, key=errors.__getitem__)
+        if not errors[worst] <= FP8_ATTENTION_MAX_REL_ERROR:
+            raise RuntimeError(
+                f"{worst}: {kernel} attention moves the eager block by {errors[worst]:.1e} (relative), "
+                f"above {FP8_ATTENTION_MAX_REL_ERROR:.0e}"
+            )
+        notes.append(f"eager first blocks within {errors[worst]:.1e} of eager, <= {FP8_ATTENTION_MAX_REL_ERROR:.0e}")
+    return f"{kernel} ({'; '.join(notes)})" if notes else kernel
+
+
+def _timed_note(classes: dict[str, Captured], kernel: str) -> str:
+    """`kernel`'s time against SDPA's for the attention calls each class's first block makes on its
+    first captured input (`attention.ms_per_call`, `attention.speed_note`).
+
+    Raises:
+        RuntimeError: `kernel` is not `attention.MIN_GAIN` times faster than SDPA.
+    """
+    with recorded_shapes() as shapes, torch.no_grad():
+        for captured in classes.values():
+            captured.block(**captured.inputs[0])
+    device = next(next(iter(classes.values())).block.parameters()).device
+    return speed_note(kernel, ms_per_call(kernel, shapes, device), ms_per_call("sdpa", shapes, device))
 
 
 def _compile_classes(
@@ -298,12 +327,12 @@ def _compile_classes(
 
     Raises:
         RuntimeError: a bf16 package differs from its eager block by more than `MAX_REL_ERROR`
-            (`FP8_MAX_REL_ERROR` under `fa3-fp8`: FP8 attention makes it an FP8 block).
+            (`FP8_MAX_REL_ERROR` under a low-precision kernel: its attention makes it an FP8 block).
         Exception: what the bf16 export or compile raised (the caller falls back to the next
             attention kernel), or, where `fp8.required`, what the last granularity's trial raised.
     """
 
-    bound = FP8_MAX_REL_ERROR if attention == "fa3-fp8" else MAX_REL_ERROR  # FP8 attention: an FP8 block
+    bound = FP8_MAX_REL_ERROR if attention in LOW_PRECISION else MAX_REL_ERROR  # an FP8 block
 
     def bf16(name: str) -> BlockPackage:
         block, inputs, contract, references, _ = classes[name]
@@ -365,7 +394,7 @@ def _compile_class(
     fp8: str | None,
 ) -> BlockPackage:
     """Export and compile `block` (FP8-quantized at granularity `fp8`, or None) under `attention`
-    ("fa3", "fa3-fp8" or "sdpa") on the first of `inputs` (a block's captured calls), then run the package on
+    ("fa3", "fa3-fp8", "sage" or "sdpa") on the first of `inputs` (a block's captured calls), then run the package on
     each of them against the eager block's output there (`references`): the trial covers every
     captured shape, both image sizes and, where the text length follows the prompt, the shortest
     and the longest text (cuBLAS can refuse an FP8 GEMM at one shape and not another: BENCHMARKS.md).
@@ -374,8 +403,8 @@ def _compile_class(
     with attention_backend(attention):
         exported = export_block(block, inputs[0], contract)
     export_s = time.perf_counter() - start
-    if attention in FA3_KERNELS:
-        op = fa3_op(attention)
+    op = attention_op(attention)
+    if op is not None:
         if not any(node.target is op for node in exported.graph.nodes):
             raise RuntimeError(f"{name}: attention={attention}, but the exported graph calls no {op}")
     start = time.perf_counter()

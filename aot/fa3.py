@@ -17,11 +17,10 @@ V, unnormalized, is scaled per head (`quantize_per_head`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import math
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -268,42 +267,3 @@ def _output_bound(norm: torch.nn.Module) -> float | None:
     largest = 1.0 if weight is None else weight.detach().abs().max().item()
     shift = 0.0 if bias is None else bias.detach().abs().max().item()
     return entries**0.5 * largest + 2**0.5 * shift
-
-
-@contextlib.contextmanager
-def attention_backend(kernel: str) -> Iterator[None]:
-    """Inside, diffusers' attention dispatcher runs `kernel` ("sdpa", "fa3", "fa3-fp8"): what a block
-    exported inside calls. `fa3_attention` (`fa3`) or `fp8_attention` (`fa3-fp8`) takes the `_flash_3`
-    backend's place in diffusers' registry while inside (diffusers has no name for either)."""
-    from diffusers.models import attention_dispatch  # heavy: at first use
-
-    name = {"sdpa": "native", "fa3": "_flash_3", "fa3-fp8": "_flash_3"}[kernel]
-    wrap = {"fa3": lambda flash_3: functools.partial(fa3_attention, flash_3), "fa3-fp8": lambda _: fp8_attention}
-    swap = replaced_backend("_flash_3", wrap[kernel]) if kernel in wrap else contextlib.nullcontext()
-    with swap, attention_dispatch.attention_backend(name):
-        yield
-
-
-@contextlib.contextmanager
-def replaced_backend(name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
-    """Inside, diffusers' attention registry holds `wrap(original)` in place of backend `name` (an
-    `AttentionBackendName` value: "_flash_3", "native"), `original` the function it held; put back
-    on the way out, an exception included."""
-    from diffusers.models import attention_dispatch  # heavy: at first use
-
-    registry, backend = attention_dispatch._AttentionBackendRegistry, attention_dispatch.AttentionBackendName(name)
-    original = registry._backends[backend]
-    registry._backends[backend] = wrap(original)
-    try:
-        yield
-    finally:
-        registry._backends[backend] = original
-
-
-def fa3_op(kernel: str) -> Any:
-    """The op a block exported under `kernel` ("fa3", "fa3-fp8") calls for its attention."""
-    if kernel == "fa3-fp8":
-        return torch.ops.aot_fa3.fp8_forward.default
-    import diffusers.models.attention_dispatch  # noqa: F401  # heavy: at first use; registers the op
-
-    return torch.ops._diffusers_flash_attn_3._flash_attn_forward.default

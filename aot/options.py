@@ -55,8 +55,9 @@ class Options:
         metadata=_option(
             "AOT_ATTENTION",
             "attention inside the compiled blocks: fa3 (FlashAttention-3, Hopper GPUs), fa3-fp8 (its FP8"
-            " forward: Q and K unscaled where their norms bound them, V scaled per head), sdpa, or auto",
-            choices=("auto", "fa3", "fa3-fp8", "sdpa"),
+            " forward: Q and K unscaled where their norms bound them, V scaled per head), sage (INT8 Q.K, FP8"
+            " P.V in Triton, compute capability >= 8.9), sdpa, or auto",
+            choices=("auto", "fa3", "fa3-fp8", "sage", "sdpa"),
         ),
     )
     fa3_kernel: str = field(

@@ -8,7 +8,8 @@ packages a compile would make; neither reads the options again.
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
 that cannot run raises with what is missing. Off Hopper (an RTX Pro 6000 Blackwell on ZeroGPU, an
-A100, an L40S) attention is torch's SDPA, which picks its fastest kernel for the GPU at hand.
+L40S, an A100) attention is SageAttention's recipe in Triton (sage.py) where there are FP8 tensor
+cores, else torch's SDPA, which picks its fastest kernel for the GPU at hand.
 Nothing here runs at import: capability probes and kernel loads happen inside `Trials.resolve`
 and at a compiled block's first call, in the GPU worker on ZeroGPU (zerogpu.py says what runs where).
 """
@@ -22,6 +23,7 @@ import torch
 from aot.fa3 import FA3_KERNELS, FA3_MAX_HEAD_DIM, load_fa3, unit_scale_problem
 from aot.model_config import attention_head_dim
 from aot.options import Options
+from aot.sage import head_dim_problem
 from aot.zerogpu_limits import ON_ZEROGPU
 
 
@@ -57,14 +59,27 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
         (12, 9),
         Plan(
             "sm_120",
-            ("sdpa",),
+            ("sage", "sdpa"),
             ("tensor",),
-            "RTX Blackwell (ZeroGPU's RTX Pro 6000): FA3 is a Hopper kernel; cuBLAS refuses row-wise scaled FP8 "
-            "there (pytorch#192707, #161236)",
+            "RTX Blackwell (ZeroGPU's RTX Pro 6000): FA3 is a Hopper kernel, 8-bit attention in Triton first; "
+            "cuBLAS refuses row-wise scaled FP8 there (pytorch#192707, #161236)",
         ),
     ),
-    ((10, 0), (11, 9), Plan("sm_100", ("sdpa",), ("row", "tensor"), "datacenter Blackwell: FA3 is a Hopper kernel")),
-    ((8, 9), (8, 9), Plan("sm_89", ("sdpa",), ("tensor",), "Ada: torch's row-wise scaled FP8 needs sm_90")),
+    (
+        (10, 0),
+        (11, 9),
+        Plan(
+            "sm_100",
+            ("sage", "sdpa"),
+            ("row", "tensor"),
+            "datacenter Blackwell: FA3 is a Hopper kernel, 8-bit attention in Triton first",
+        ),
+    ),
+    (
+        (8, 9),
+        (8, 9),
+        Plan("sm_89", ("sage", "sdpa"), ("tensor",), "Ada: 8-bit attention in Triton first; row-wise FP8 needs sm_90"),
+    ),
     ((0, 0), (8, 8), Plan("sm_80", ("sdpa",), (), "FP8 needs compute capability >= 8.9")),
 )
 CPU_PLAN = Plan("cpu", ("sdpa",), (), "no CUDA GPU")
@@ -107,7 +122,7 @@ class Walk:
     decision it ends in reads. The compile path walks `steps` (`export.compile_blocks`), the load
     path looks for a package of each (`loading.load_packages`); neither reads the options again.
 
-    name: "attention" or "fp8"; asked: the option as given ("auto", "fa3", "fa3-fp8", "sdpa"; "auto",
+    name: "attention" or "fp8"; asked: the option as given ("auto", "fa3", "fa3-fp8", "sage", "sdpa"; "auto",
     "on", "off"); steps: what to try, in order (attention kernels; FP8 granularities, bf16 after them);
     origin: what chose the steps ("plan sm_90", "requested", "fp8_granularity=row"); notes: the
     plan's steps left out, each with why; off: why there are no steps (fp8 off); required: asked
@@ -133,11 +148,11 @@ def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, d
     """The attention kernels to trial, in order (the plan's with `auto`, else the one asked for),
     with a note for each of the plan's kernels left out: FA3 only where `resolve_attention`'s checks
     pass (Hopper, dtype, head dim, a kernel that loads), `fa3-fp8` only where the blocks' norms
-    bound Q and K (`fa3.unit_scale_problem`). Decided before any capture, so the load path never
-    looks for packages of a kernel left out.
+    bound Q and K (`fa3.unit_scale_problem`), `sage` only where `sage_problem` finds none. Decided
+    before any capture, so the load path never looks for packages of a kernel left out.
 
     Raises:
-        RuntimeError: `attention=fa3` or `fa3-fp8` was asked for and cannot run (`resolve_attention`).
+        RuntimeError: `attention=fa3`, `fa3-fp8` or `sage` was asked for and cannot run (`resolve_attention`).
     """
     if options.attention != "auto":
         kernel = resolve_attention(options, transformer, device).value
@@ -154,6 +169,11 @@ def attention_walk(options: Options, plan: Plan, transformer: torch.nn.Module, d
         if problem:
             kernels.remove("fa3-fp8")
             skipped.append(f"fa3-fp8 skipped ({problem})")
+    if "sage" in kernels:
+        problem = sage_problem(transformer, device)
+        if problem:
+            kernels.remove("sage")
+            skipped.append(f"sage skipped ({problem})")
     return Walk("attention", "auto", tuple(kernels or ["sdpa"]), f"plan {plan.name}", tuple(skipped))
 
 
@@ -264,7 +284,7 @@ def _hopper_problem(device: torch.device) -> str | None:
 def refuse_impossible_requests(options: Options, device: torch.device) -> None:
     """Raise now, before any weight is loaded, for an explicit fast path this machine cannot run.
 
-    Checks what needs no model: `attention=fa3` (a Hopper GPU), `fp8=on` (compute capability
+    Checks what needs no model: `attention=fa3` (a Hopper GPU), `attention=sage` and `fp8=on` (compute capability
     >= 8.9), `cuda_graphs=on` (CUDA). A ZeroGPU main process has emulated CUDA whose capability is
     a table in `spaces`, not the card: there only the device type is checked, and the GPU worker
     decides the rest (`resolve_attention`, `resolve_fp8`).
@@ -279,6 +299,10 @@ def refuse_impossible_requests(options: Options, device: torch.device) -> None:
         problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
         if problem:
             raise RuntimeError(f"attention={options.attention} cannot run: {problem}. Use --attention auto or sdpa.")
+    if options.attention == "sage" and not emulated:
+        problem = _cuda_problem(device, SAGE_MIN_CAPABILITY, "sage attention")
+        if problem:
+            raise RuntimeError(f"attention=sage cannot run: {problem}. Use --attention auto or sdpa.")
     if options.fp8 == "on" and not emulated:
         resolve_fp8(options, device)
     if options.cuda_graphs == "on":
@@ -300,11 +324,18 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     and a kernel that loads; `fa3-fp8` also where every block's norms bound its queries and keys
     (`fa3.unit_scale_problem`).
 
+    `sage` only where asked for, and where `sage_problem` finds none.
+
     Raises:
-        RuntimeError: `attention=fa3` or `fa3-fp8` was asked for and one of those conditions fails.
+        RuntimeError: `attention=fa3`, `fa3-fp8` or `sage` was asked for and one of those conditions fails.
     """
     if options.attention == "sdpa":
         return Decision("attention", "sdpa", "requested")
+    if options.attention == "sage":
+        problem = sage_problem(transformer, device)
+        if problem:
+            raise RuntimeError(f"attention=sage cannot run: {problem}. Use --attention auto or sdpa.")
+        return Decision("attention", "sage", "requested")
     head_dim = attention_head_dim(transformer)
     problem = _cuda_problem(device, (9, 0), "FA3") or _hopper_problem(device)
     if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
@@ -324,6 +355,20 @@ def resolve_attention(options: Options, transformer: torch.nn.Module, device: to
     if options.attention in FA3_KERNELS:
         raise RuntimeError(f"attention={options.attention} cannot run: {problem}. Use --attention auto or sdpa.")
     return Decision("attention", "sdpa", f"auto: {problem}")
+
+
+# Triton's FP8 matmuls (the kernel's P·V) need compute capability 8.9 (Ada) or later.
+SAGE_MIN_CAPABILITY = (8, 9)
+
+
+def sage_problem(transformer: torch.nn.Module, device: torch.device) -> str | None:
+    """Why `sage` attention (sage.py) cannot run for `transformer` on `device`, or None: it needs a
+    CUDA GPU of compute capability >= 8.9, a bfloat16/float16 transformer and a head dim its tiles
+    take (`sage.head_dim_problem`). Whether Triton compiles it there is left to the trial."""
+    problem = _cuda_problem(device, SAGE_MIN_CAPABILITY, "sage attention")
+    if problem is None and transformer.dtype not in (torch.bfloat16, torch.float16):
+        problem = f"sage attention takes bfloat16/float16, the transformer is {transformer.dtype}"
+    return problem or head_dim_problem(attention_head_dim(transformer))
 
 
 def resolve_fp8(options: Options, device: torch.device) -> Decision:

@@ -6,13 +6,12 @@ import pytest
 import torch
 from conftest import ROOT, decided, load_tiny, tiny_options
 
+from aot.attention import attention_backend, attention_op
 from aot.blocks import repeated_blocks
 from aot.export import _capture_classes, compile_blocks, export_block
 from aot.fa3 import (
     E4M3_MAX,
     FOLDED,
-    attention_backend,
-    fa3_op,
     fold_token_mask,
     fp8_attention,
     quantize_per_head,
@@ -70,12 +69,12 @@ def test_a_block_exported_under_fa3_fp8_quantizes_in_its_graph_and_calls_the_op(
         exported = export_block(block, inputs[0], contract)
     assert registry._backends[attention_dispatch.AttentionBackendName._FLASH_3] is flash_3  # put back
     nodes = list(exported.graph.nodes)
-    calls = [n for n in nodes if n.target is fa3_op("fa3-fp8")]
+    calls = [n for n in nodes if n.target is attention_op("fa3-fp8")]
     assert len(calls) == 1, f"{name}: {len(calls)} calls of aot_fa3::fp8_forward"
     q, k, v = (arg.meta["val"] for arg in calls[0].args[:3])
     assert (q.dtype, k.dtype, v.dtype) == (torch.float8_e4m3fn,) * 3
     assert calls[0].meta["val"].dtype == torch.bfloat16
-    assert not any(n.target is fa3_op("fa3") for n in nodes)
+    assert not any(n.target is attention_op("fa3") for n in nodes)
     for kernel in ("fa3-fp8", "fa3"):
         with pytest.raises(RuntimeError, match="boom"), attention_backend(kernel):
             raise RuntimeError("boom")
@@ -141,7 +140,7 @@ def test_fa3_runs_chromas_blocks_with_their_mask_folded(monkeypatch):
         assert inputs[0]["attention_mask"] is not None
         with attention_backend("fa3"):
             nodes = export_block(block, inputs[0], contract).graph.nodes
-        calls = [n for n in nodes if n.target is fa3_op("fa3")]
+        calls = [n for n in nodes if n.target is attention_op("fa3")]
         assert len(calls) == 1 and calls[0].args[0].meta["val"].shape[-1] == head_dim + FOLDED
     registry = attention_dispatch._AttentionBackendRegistry
     monkeypatch.setitem(registry._backends, attention_dispatch.AttentionBackendName._FLASH_3, flash_3)
@@ -239,15 +238,23 @@ def test_fa3_fp8_is_left_out_of_a_plan_with_the_reason_where_a_norm_could_overfl
 
 
 def test_fp8_attention_is_refused_above_its_bound_and_named_with_its_error_below(monkeypatch):
-    """`_attention_note`, the `fa3-fp8` trial's first step, on errors as a GPU measures them: a CPU
-    cannot run FP8 attention, so the errors `_fp8_attention_errors` would measure are given here
-    (test_gpu.py measures them)."""
+    """`_attention_note`, a low-precision trial's first step, on errors and times as a GPU measures
+    them: a CPU cannot run FP8 attention, so what `_low_precision_errors` and `_timed_note` would
+    measure is given here (test_gpu.py measures them)."""
     from aot import export
 
-    monkeypatch.setattr(export, "_fp8_attention_errors", lambda classes: {"A": 2e-3, "B": 9e-3})
-    assert export._attention_note({}, "fa3-fp8") == "fa3-fp8 (eager first blocks within 9.0e-03 of eager, <= 1e-02)"
-    assert export._attention_note({}, "fa3") == "fa3"
-    monkeypatch.setattr(export, "_fp8_attention_errors", lambda classes: {"A": 2e-3, "B": 1.1e-2})
-    refused = r"^B: FP8 attention moves the eager block by 1\.1e-02 \(relative\), above 1e-02$"
+    monkeypatch.setattr(export, "_low_precision_errors", lambda classes, kernel: {"A": 2e-3, "B": 9e-3})
+    monkeypatch.setattr(export, "_timed_note", lambda classes, kernel: "0.400 ms a call against SDPA's 0.500 ms")
+    assert export._attention_note({}, "fa3-fp8", timed=True) == (
+        "fa3-fp8 (eager first blocks within 9.0e-03 of eager, <= 1e-02)"
+    )
+    assert export._attention_note({}, "sage", timed=True) == (
+        "sage (0.400 ms a call against SDPA's 0.500 ms; eager first blocks within 9.0e-03 of eager, <= 1e-02)"
+    )
+    untimed = export._attention_note({}, "sage", timed=False)
+    assert untimed == "sage (eager first blocks within 9.0e-03 of eager, <= 1e-02)"
+    assert export._attention_note({}, "fa3", timed=True) == "fa3"
+    monkeypatch.setattr(export, "_low_precision_errors", lambda classes, kernel: {"A": 2e-3, "B": 1.1e-2})
+    refused = r"^B: fa3-fp8 attention moves the eager block by 1\.1e-02 \(relative\), above 1e-02$"
     with pytest.raises(RuntimeError, match=refused):
-        export._attention_note({}, "fa3-fp8")
+        export._attention_note({}, "fa3-fp8", timed=True)

@@ -1,4 +1,4 @@
-"""GPU layer: FA3 and FP8 inside compiled blocks, against eager (skipped without CUDA).
+"""GPU layer: FA3, sage attention and FP8 inside compiled blocks, against eager (skipped without CUDA).
 
 The tiny pipeline's text encoders and VAE, with a transformer whose blocks have FLUX.1-dev's width
 (24 heads x 128) so FA3 and FP8 run the kernels they run on the real model. Run on the H200 with
@@ -72,15 +72,21 @@ def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_b
     op_error = rel_error(out.float(), reference.transpose(1, 2))
     print(f"fa3-fp8 op vs float32 SDPA: {op_error:.2e}")
     assert op_error < FP8_MAX_REL_ERROR
+    low_precision_blocks_match_eager(Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off"))
+
+
+def low_precision_blocks_match_eager(options: Options) -> None:
+    """The wide pipeline's blocks compiled with the attention `options` asks for (FP8 attention: held
+    to the FP8 bound) against its eager images."""
     pipe = wide_pipeline()
     expected = images(pipe)
-    compiled = compile_blocks(*decided(pipe, Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off")))
-    assert compiled.decisions[1].value == "fa3-fp8", compiled.decisions[1]
+    compiled = compile_blocks(*decided(pipe, options))
+    assert compiled.decisions[1].value == options.attention, compiled.decisions[1]
     print({name: f"{p.rel_error:.2e}" for name, p in compiled.packages.items()})
     patch_blocks_(pipe, compiled)
     error = rel_error(images(pipe), expected)
-    print(f"fa3-fp8 images vs eager: {error:.2e}")
-    assert error < FP8_MAX_REL_ERROR, f"FA3 FP8 compiled vs eager SDPA: {error:.2e}"
+    print(f"{options.attention} images vs eager: {error:.2e}")
+    assert error < FP8_MAX_REL_ERROR, f"{options.attention} compiled vs eager SDPA: {error:.2e}"
 
 
 def test_fa3_with_chromas_mask_folded_matches_masked_sdpa():
@@ -89,7 +95,8 @@ def test_fa3_with_chromas_mask_folded_matches_masked_sdpa():
     given the mask."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from aot.fa3 import attention_backend, load_fa3
+    from aot.attention import attention_backend
+    from aot.fa3 import load_fa3
 
     load_fa3(FA3_KERNEL)
     torch.manual_seed(0)
@@ -166,17 +173,59 @@ def test_row_wise_fp8_runs_a_text_mlp_at_a_short_prompt():
         assert rel_error(image(x), reference) < FP8_MAX_REL_ERROR
 
 
-def test_zerogpu_cards_plan_forced_on_this_gpu_runs_sdpa_with_per_tensor_fp8():
-    # sm_120 (ZeroGPU's RTX Pro 6000) cannot run FA3 or row-wise FP8; its plan tries neither.
+def test_zerogpu_cards_plan_forced_on_this_gpu_times_sage_and_runs_per_tensor_fp8():
+    """sm_120 (ZeroGPU's RTX Pro 6000) cannot run FA3 or row-wise FP8; its plan tries sage, kept only
+    where it beats SDPA here (on an H100, cuDNN's bf16 kernel is the faster: BENCHMARKS.md), then
+    SDPA, with per-tensor FP8."""
     pipe = wide_pipeline()
     expected = images(pipe)
     compiled = compile_blocks(*decided(pipe, Options(plan="12.0", fa3_kernel=FA3_KERNEL)))
     plan, attention, fp8 = compiled.decisions
-    assert (plan.value, attention.value, fp8.value) == ("sm_120", "sdpa", "tensor"), compiled.decisions
+    print(attention)
+    assert (plan.value, fp8.value) == ("sm_120", "tensor") and attention.value in ("sage", "sdpa"), compiled.decisions
+    assert "ms a call against SDPA's" in attention.reason
+    assert attention.value == "sage" or "sage failed its trial (RuntimeError: sage: " in attention.reason
     assert all(p.fp8 == "tensor" for p in compiled.packages.values())
     patch_blocks_(pipe, compiled)
     error = rel_error(images(pipe), expected)
     assert error < FP8_MAX_REL_ERROR, f"sm_120 plan compiled vs bf16 eager: {error:.2e}"
+
+
+def test_sage_kernel_computes_its_8_bit_arithmetic_and_stays_near_sdpa():
+    """The op on 64 keys (one step of any config: one running max) against the same arithmetic in
+    float64: INT8 Q·K^T exact, P rounded to e4m3 after `P_SCALE`, V as FP8; then the whole kernel at
+    FLUX.1-dev's 1024x1024 shape and at a ragged grouped-query shape against float32 SDPA."""
+    from aot.sage import P_SCALE, quantize_per_head, quantize_per_token, sage_attention, sage_forward, tokens_innermost
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, n, 4, 128, device="cuda", dtype=torch.bfloat16) for n in (300, 64, 64))
+    (qi, qs), (ki, ks), (v8, vd) = quantize_per_token(q), quantize_per_token(k), quantize_per_head(v)
+    scale = 128**-0.5
+    out = sage_forward(qi, ki, tokens_innermost(v8), qs, ks, vd, scale).double()
+    logits = torch.einsum("bqhd,bkhd->bhqk", qi.double(), ki.double()) * qs.transpose(1, 2)[..., None].double()
+    logits = logits * ks.transpose(1, 2)[:, :, None, :].double() * scale * 1.4426950408889634
+    p = torch.exp2(logits - logits.amax(-1, keepdim=True))
+    p8 = (p * P_SCALE.value).float().to(torch.float8_e4m3fn).double() / P_SCALE.value
+    expected = torch.einsum("bhqk,bkhd->bqhd", p8, v8.double()) * vd[:, None, :, None].double()
+    expected = expected / p.sum(-1).transpose(1, 2)[..., None]
+    arithmetic = rel_error(out, expected)
+    errors = {}
+    for shape_q, shape_k in (((1, 4608, 24, 128), (1, 4608, 24, 128)), ((2, 1000, 8, 64), (2, 777, 2, 64))):
+        q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(shape_k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t.float().transpose(1, 2) for t in (q, k, v)), enable_gqa=True
+        ).transpose(1, 2)
+        errors[shape_k] = rel_error(sage_attention(q, k, v).float(), ref)
+    print(f"sage op vs its arithmetic in float64: {arithmetic:.2e}; vs float32 SDPA: {errors}")
+    assert arithmetic < 4e-3  # the output's bf16 rounding (2^-9) and float32 sums
+    assert all(error < FP8_MAX_REL_ERROR for error in errors.values()), errors
+
+
+def test_sage_blocks_compile_into_packages_and_match_eager():
+    """`attention=sage` asked for: no timing, the blocks compiled with the kernel in their packages
+    (the exported graph calls `aot_sage::forward`: `_compile_class` checks) against eager SDPA."""
+    low_precision_blocks_match_eager(Options(attention="sage", fp8="off"))
 
 
 def test_fp32_pipeline_falls_back_to_sdpa():

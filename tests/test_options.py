@@ -99,16 +99,17 @@ def test_resolution_rule():
         Resolution(1024, 512)
 
 
-@pytest.mark.parametrize("attention", ["auto", "sdpa", "fa3", "fa3-fp8"])
+@pytest.mark.parametrize("attention", ["auto", "sdpa", "fa3", "fa3-fp8", "sage"])
 @pytest.mark.parametrize("fp8", ["auto", "on", "off"])
 def test_switch_matrix_on_cpu(attention, fp8):
     """Every combination: auto falls back with the reason, explicit requests that cannot run raise."""
     transformer = load_tiny().transformer
     options = tiny_options(attention=attention, fp8=fp8)
     device = torch.device("cpu")
-    if attention.startswith("fa3"):
+    if attention not in ("auto", "sdpa"):
+        needs = "sage attention" if attention == "sage" else "FA3"
         with pytest.raises(
-            RuntimeError, match=f"attention={attention} cannot run: FA3 needs a CUDA GPU; the pipeline is on cpu"
+            RuntimeError, match=f"attention={attention} cannot run: {needs} needs a CUDA GPU; the pipeline is on cpu"
         ):
             resolve_attention(options, transformer, device)
     else:
@@ -164,10 +165,10 @@ def capability_checks_pass(monkeypatch, fa3: bool = True):
     [
         (None, "cpu", ["sdpa"], []),
         ((9, 0), "sm_90", ["fa3-fp8", "fa3", "sdpa"], ["row", "tensor"]),
-        ((12, 0), "sm_120", ["sdpa"], ["tensor"]),
-        ((8, 9), "sm_89", ["sdpa"], ["tensor"]),
+        ((12, 0), "sm_120", ["sage", "sdpa"], ["tensor"]),
+        ((8, 9), "sm_89", ["sage", "sdpa"], ["tensor"]),
         ((8, 0), "sm_80", ["sdpa"], []),
-        ((10, 0), "sm_100", ["sdpa"], ["row", "tensor"]),
+        ((10, 0), "sm_100", ["sage", "sdpa"], ["row", "tensor"]),
     ],
 )
 def test_the_plan_per_gpu_is_data_keyed_by_compute_capability(capability, plan, attention, fp8):
@@ -193,12 +194,13 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     pipe = load_tiny()
     patch_blocks_(pipe, compiled)
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
-    # ZeroGPU's card: no FA3 in its plan (none tried), per-tensor FP8 only. The decisions are what is
-    # checked here, and the walk is the same for every block class: one class is compiled.
+    # ZeroGPU's card: no FA3 in its plan (none tried), sage left out off CUDA, per-tensor FP8 only. The
+    # decisions are what is checked here, and the walk is the same for every block class: one class is compiled.
     pipe = load_tiny()
     pipe.transformer._repeated_blocks = ["FluxSingleTransformerBlock"]
     plan, attention, fp8 = compile_blocks(*decided(pipe, tiny_options(plan="12.0"))).decisions
-    assert (plan.value, attention.reason) == ("sm_120", "plan sm_120: sdpa")
+    sage_skipped = "sage skipped (sage attention needs a CUDA GPU; the pipeline is on cpu)"
+    assert (plan.value, attention.reason) == ("sm_120", f"plan sm_120: {sage_skipped} -> sdpa")
     walk = r"plan sm_120: tensor failed its trial \(FluxSingleTransformerBlock: .+\) -> bf16"
     assert re.fullmatch(walk, fp8.reason), fp8
 
@@ -283,6 +285,7 @@ def test_fp8_on_that_fails_every_trial_raises(monkeypatch):
         ({"max_side": 20000}, ValueError, "max_side=20000: at most 2048 px"),
         ({"attention": "fa3"}, RuntimeError, "attention=fa3 cannot run: FA3 needs a CUDA GPU"),
         ({"attention": "fa3-fp8"}, RuntimeError, "attention=fa3-fp8 cannot run: FA3 needs a CUDA GPU"),
+        ({"attention": "sage"}, RuntimeError, "attention=sage cannot run: sage attention needs a CUDA GPU"),
         ({"fp8": "on"}, RuntimeError, "fp8=on cannot run: FP8 needs a CUDA GPU"),
         ({"cuda_graphs": "on"}, RuntimeError, "cuda_graphs=on cannot run"),
         ({"save": "p", "push": "someone/blocks"}, RuntimeError, "pushing to the Hub needs a token"),

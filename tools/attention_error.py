@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from aot.attention import attention_backend, replaced_backend
 from aot.blocks import rel_error, repeated_blocks
 from aot.export import capture_blocks
-from aot.fa3 import attention_backend, load_fa3, replaced_backend
+from aot.fa3 import load_fa3
 from aot.options import Options
 from tools.bench import PROMPTS, ROOT, environment, random_flux_dev
 
