@@ -118,11 +118,10 @@ def _sage_attention_kernel(
     q_scale *= tl.cast(qk_scale, tl.float32)
     k_ptrs = K + b * stride_kb + kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
     ks_ptrs = KS + b * stride_ksb + kv * stride_ksh + offs_n * stride_kss
-    # V's rows of tokens are ALIGN-aligned (`tokens_innermost`, checked by `sage_forward`); said here,
-    # as a package's compiler cannot see it in the strides of a token count known only at run time.
-    stride_vb, stride_vh = tl.multiple_of(stride_vb, ALIGN), tl.multiple_of(stride_vh, ALIGN)
-    stride_vd = tl.multiple_of(stride_vd, ALIGN)
-    v_ptrs = V + b * stride_vb + kv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    # Each of V's rows of tokens starts ALIGN-aligned (`tokens_innermost`, checked by `sage_forward`);
+    # said here, as a package's compiler cannot see it in the strides of a run-time token count.
+    v_rows = tl.multiple_of(b * stride_vb + kv * stride_vh + offs_d * stride_vd, ALIGN)
+    v_ptrs = V + v_rows[None, :] + offs_n[:, None] * stride_vs
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -169,7 +168,7 @@ def sage_forward(
             not a multiple of kv_heads, or inputs laid out otherwise.
     """
     batch, seq_q, heads, head_dim = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
+    kv_heads = k.shape[2]
     problem = head_dim_problem(head_dim)
     if problem or heads % kv_heads:
         raise ValueError(problem or f"sage attention: {heads} query heads are not a multiple of {kv_heads} key heads")
@@ -186,17 +185,31 @@ def sage_forward(
 
     # wrap_triton lets torch.export trace the launch; the interpreter's kernels are not JIT functions.
     kernel, config = (_sage_attention_kernel, CONFIGS[0].all_kwargs()) if _INTERPRETED else (wrap_triton(_tuned), {})
-    kernel[grid](
-        q, k, v, q_scale, k_scale, v_descale, out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        q_scale.stride(0), q_scale.stride(1), q_scale.stride(2), k_scale.stride(0), k_scale.stride(1),
-        k_scale.stride(2), v_descale.stride(0), v_descale.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        heads, heads // kv_heads, seq_q, seq_k, softmax_scale * 1.4426950408889634,
-        HEAD_DIM=head_dim, ALIGN=TOKEN_ALIGN, **config,
-    )
+    kernel[grid](**kernel_arguments(q, k, v, q_scale, k_scale, v_descale, out, softmax_scale), **config)
     return out
+
+
+def kernel_arguments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_descale: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+) -> dict[str, Any]:
+    """The kernel's arguments by name, but for its tiles (`CONFIGS`), for `sage_forward`'s inputs and
+    its output `out` (bf16, `q`'s shape)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    values = (
+        *(q, k, v, q_scale, k_scale, v_descale, out),
+        *q.stride()[:3], *k.stride()[:3], *v.stride(), *q_scale.stride(), *k_scale.stride(), *v_descale.stride(),
+        *out.stride()[:3],
+        *(heads, heads // kv_heads, q.shape[1], k.shape[1], softmax_scale * 1.4426950408889634),
+    )
+    names = _sage_attention_kernel.arg_names[: len(values)]  # then its constants: HEAD_DIM, ALIGN, the tiles
+    return {**dict(zip(names, values, strict=True)), "HEAD_DIM": q.shape[3], "ALIGN": TOKEN_ALIGN}
 
 
 def sage_attention(

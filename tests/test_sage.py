@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -48,10 +49,17 @@ def test_tokens_innermost_pads_each_row_of_tokens_to_the_alignment():
     assert torch.equal(rows[:, :70].float(), v.float()) and not rows[:, 70:].float().any()
 
 
-def _compiled(target: tuple[int, int], config: triton.Config):
+# The arguments AOTInductor tells Triton are multiples of 16 at a FLUX block's shapes: the pointers and the
+# strides of a static size. V's row stride, which follows the token count, is not among them.
+DIVISIBLE = ("Q", "K", "V", "QS", "KS", "VS", "Out", "stride_qb", "stride_qs", "stride_qh", "stride_kb")
+DIVISIBLE += ("stride_ks", "stride_kh", "stride_vb", "stride_vh", "stride_qsb", "stride_qss", "stride_ksb")
+DIVISIBLE += ("stride_kss", "stride_ob", "stride_os", "stride_oh")
+
+
+def _compiled(target: tuple[int, int], config: triton.Config, known: tuple[str, ...] = ()):
     """The kernel compiled for `target` with `config`, its arguments typed as AOTInductor passes them:
-    the softmax scale (a Python float) as fp64, and the arguments a FLUX block gives the value 1 as
-    constants."""
+    the softmax scale (a Python float) as fp64, the arguments a FLUX block gives the value 1 as
+    constants, `DIVISIBLE` and `known` as multiples of 16."""
     fn, ones = sage._sage_attention_kernel, ("stride_vs", "group", "stride_qsh", "stride_ksh", "stride_vsh")
     types = {"Q": "*i8", "K": "*i8", "V": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "Out": "*bf16"}
     constants = {"HEAD_DIM": 128, "ALIGN": sage.TOKEN_ALIGN, **config.kwargs, **dict.fromkeys(ones, 1)}
@@ -59,16 +67,26 @@ def _compiled(target: tuple[int, int], config: triton.Config):
         name: "constexpr" if name in constants else types.get(name, "fp64" if name == "qk_scale" else "i32")
         for name in fn.arg_names
     }
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()})
+    constexprs = {(fn.arg_names.index(n),): v for n, v in constants.items()}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE + known}
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", target[0] * 10 + target[1], 32), options=options)
+
+
+def _global_loads(ptx: str) -> Counter:
+    """The kinds of global-memory loads in `ptx` (width, caching), with their counts."""
+    loads = re.findall(r"(ld\.global[\w.]*|cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], \w+)", ptx)
+    return Counter(re.sub(r"\[[^\]]*\]", "[]", load) for load in loads)
 
 
 @pytest.mark.parametrize("capability", sorted(SHARED_MEMORY))
 def test_the_kernel_compiles_with_8_bit_tensor_cores_and_fits_each_gpu_the_plans_try_it_on(capability):
     """Triton compiles the kernel ahead for GPUs this machine does not have (ptxas ships with it), to
-    8-bit tensor-core instructions: INT8 for Q·K, e4m3 for P·V. On ZeroGPU's sm_120 every config must
-    fit its 99 KB of shared memory, as none can be run here."""
+    8-bit tensor-core instructions: INT8 for Q·K, e4m3 for P·V. Its loads are the same whether or not
+    the package's compiler can prove V's rows 16-byte aligned (the measured package could; one
+    without that was 2.3x slower: BENCHMARKS.md). On ZeroGPU's sm_120 every config must fit its 99 KB
+    of shared memory, as none can be run here."""
     plans = [plan for low, high, plan in PLANS if low <= capability <= high]
     assert "sage" in plans[0].attention or capability == (9, 0), plans  # 9.0: where `AOT_PLAN=12.0` rehearses
     for config in sage.CONFIGS if capability == (12, 0) else sage.CONFIGS[:1]:
@@ -78,6 +96,26 @@ def test_the_kernel_compiles_with_8_bit_tensor_cores_and_fits_each_gpu_the_plans
         assert re.search(r"mma[\w.]*\.s32\.s8\.s8", ptx) and re.search(fp8, ptx), config
         assert not re.search(r"\b(mul|fma|add|sub|max)[\w.]*\.f64", ptx), "fp64 arithmetic: the scale was not cast"
         assert kernel.metadata.shared <= SHARED_MEMORY[capability], (config, kernel.metadata.shared)
+    unknown, aligned = (_compiled(capability, sage.CONFIGS[0], known).asm["ptx"] for known in ((), ("stride_vd",)))
+    assert _global_loads(unknown) == _global_loads(aligned), "V's loads narrow where its rows are not proven aligned"
+
+
+def test_torch_sees_that_the_kernel_writes_only_its_output(monkeypatch):
+    """torch.export asks which inputs a user's Triton kernel mutates by compiling it to Triton's IR; where
+    that fails it assumes all (and logs the failure). Triton names the compile target after the active
+    GPU driver, which a CPU machine lacks: a stand-in names an H100's here; nothing runs."""
+    from torch._higher_order_ops.triton_kernel_wrap import identify_mutated_tensors
+
+    class HopperTarget:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", HopperTarget())
+    q = torch.empty(1, 300, 4, 128, dtype=torch.int8)
+    v = sage.tokens_innermost(torch.empty(1, 300, 4, 128, dtype=torch.float8_e4m3fn))
+    scales, out = torch.empty(1, 300, 4), torch.empty(1, 300, 4, 128, dtype=torch.bfloat16)
+    arguments = sage.kernel_arguments(q, q, v, scales, scales, scales[:, 0], out, 0.1) | sage.CONFIGS[0].kwargs
+    assert identify_mutated_tensors(sage._sage_attention_kernel, arguments, {}) == ["Out"]
 
 
 INTERPRETED = """
