@@ -103,7 +103,13 @@ def ms_per_call(kernel: str, shapes: set[tuple[tuple[int, ...], tuple[int, ...]]
     """Milliseconds `kernel`'s attention takes for one call at each of `shapes` ((query shape, key
     shape), as `recorded_shapes` gives them), summed: `sage` its op on inputs already quantized
     (the package fuses the quantization into the kernels before it), `sdpa` torch's SDPA in bf16.
-    Random inputs: the kernels' time does not depend on the values. CUDA events, 10 calls after 3."""
+    Random inputs: the kernels' time does not depend on the values. CUDA events, 10 calls after 3.
+
+    Raises:
+        ValueError: no shapes (nothing to time).
+    """
+    if not shapes:
+        raise ValueError("no attention calls to time")
     total = 0.0
     for q_shape, k_shape in sorted(shapes):
         q = torch.randn(q_shape, device=device, dtype=torch.bfloat16)
@@ -115,7 +121,8 @@ def ms_per_call(kernel: str, shapes: set[tuple[tuple[int, ...], tuple[int, ...]]
             call = functools.partial(sage_forward, *args)
         else:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            call = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt)
+            sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, q_shape[2] != k_shape[2]
+            call = functools.partial(sdpa, qt, kt, vt, enable_gqa=grouped)
         for _ in range(3):
             call()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

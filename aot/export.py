@@ -285,8 +285,8 @@ def _attention_note(classes: dict[str, Captured], kernel: str, timed: bool) -> s
         RuntimeError: the kernel is not `attention.MIN_GAIN` times faster than SDPA here, or a
             class's error is above `FP8_ATTENTION_MAX_REL_ERROR`.
     """
-    notes = [_timed_note(classes, kernel)] if timed and kernel in TIMED else []
-    if kernel in LOW_PRECISION:
+    notes = []
+    if kernel in LOW_PRECISION:  # first: what the kernel refuses (a mask) shows here, before any timing
         errors = _low_precision_errors(classes, kernel)
         worst = max(errors, key=errors.__getitem__)
         if not errors[worst] <= FP8_ATTENTION_MAX_REL_ERROR:
@@ -295,6 +295,8 @@ def _attention_note(classes: dict[str, Captured], kernel: str, timed: bool) -> s
                 f"above {FP8_ATTENTION_MAX_REL_ERROR:.0e}"
             )
         notes.append(f"eager first blocks within {errors[worst]:.1e} of eager, <= {FP8_ATTENTION_MAX_REL_ERROR:.0e}")
+    if timed and kernel in TIMED:
+        notes.insert(0, _timed_note(classes, kernel))
     return f"{kernel} ({'; '.join(notes)})" if notes else kernel
 
 

@@ -29,7 +29,7 @@ def fingerprint(
     transformer: torch.nn.Module, resolution: Resolution, attention: str, fp8: str, fa3_kernel: str | None
 ) -> dict[str, Any]:
     """What packages compiled for `transformer` are valid for (JSON-able): `attention` the kernel
-    ("fa3", "fa3-fp8", "sdpa"), `fp8` the granularity ("row", "tensor") or "off", `fa3_kernel`
+    ("fa3", "fa3-fp8", "sage", "sdpa"), `fp8` the granularity ("row", "tensor") or "off", `fa3_kernel`
     where FA3 is loaded from (None unless `attention` calls FA3)."""
     import diffusers  # heavy: at first use
     import torchao  # heavy: at first use

@@ -34,25 +34,29 @@ P_SCALE = tl.constexpr(448.0)
 # V's rows of tokens are padded to a multiple of this many (`tokens_innermost`), so that each starts
 # 16-byte aligned, and the kernel says so (`tl.multiple_of`): its vector loads need it, and a
 # package's compiler cannot prove it of a token count known only at run time. Without it, the kernel
-# in a package ran 2.3x slower on an H100.
+# in a package ran 2.2x slower on an H100 (0.99 against 0.46 ms a call).
 TOKEN_ALIGN = 16
 # INT8's symmetric range: a token's abs-max in a head maps to it (`quantize_per_token`).
 INT8_MAX = 127.0
 # Tile sizes and launch settings tried when a package is compiled (Triton's autotuner keeps the fastest
 # on the GPU at hand). M: queries per program, N: keys per step. In the H100's order at FLUX.1-dev's
-# shape: 0.43, 0.47, 0.58, 0.69 ms a call (2026-12-06); every one fits sm_120's shared memory (tests).
+# shape: 0.43, 0.47, 0.58, 0.69 ms a call (2026-12-06); each fits sm_120's shared memory at head dim 128.
 CONFIGS = [
     triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
     for m, n, w, s in ((64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 4, 3), (128, 64, 8, 3))
 ]
 
 
+# The head dims the kernel takes: a power of two (its tiles), at least 32 (Triton's smallest depth of an
+# 8-bit matmul on NVIDIA GPUs), at most 128 (at 256 most configs overflow sm_120's shared memory).
+HEAD_DIMS = (32, 64, 128)
+
+
 def head_dim_problem(head_dim: int) -> str | None:
-    """Why the kernel cannot take heads of `head_dim` entries (its tiles hold a power of two from 16,
-    an int8 matmul's depth, to 256), or None."""
-    if head_dim in (16, 32, 64, 128, 256):
+    """Why the kernel cannot take heads of `head_dim` entries (`HEAD_DIMS`), or None."""
+    if head_dim in HEAD_DIMS:
         return None
-    return f"sage attention takes head dims 16, 32, 64, 128 or 256; this model's is {head_dim}"
+    return f"sage attention takes head dims {', '.join(map(str, HEAD_DIMS))}; this model's is {head_dim}"
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +168,8 @@ def sage_forward(
     Q·K^T. Returns bf16 (batch, seq_q, heads, head_dim), contiguous.
 
     Raises:
-        ValueError: a head dim that is not a power of two from 16 to 256 (the kernel's tiles), heads
-            not a multiple of kv_heads, or inputs laid out otherwise.
+        ValueError: a head dim not in `HEAD_DIMS`, heads not a multiple of kv_heads, or inputs laid
+            out otherwise.
     """
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -225,11 +229,13 @@ def sage_attention(
     _parallel_config: Any = None,
 ) -> torch.Tensor:
     """Attention with diffusers' native backend signature (`query` (batch, seq, heads, head_dim),
-    bf16 or float16): Q and K quantized per token (`quantize_per_token`), V per head, then
+    bf16 or float16; `key`, `value` (batch, seq_k, kv_heads, head_dim), grouped queries whatever
+    `enable_gqa` says): Q and K quantized per token (`quantize_per_token`), V per head, then
     `sage_forward`. Output in `query`'s dtype.
 
     Raises:
-        ValueError: a mask, dropout, causal attention or the log-sum-exp was asked for (not supported).
+        ValueError: a mask, dropout, causal attention or the log-sum-exp was asked for (not
+            supported), or what `sage_forward` refuses (head dim, heads).
     """
     if attn_mask is not None or dropout_p or is_causal or return_lse:
         raise ValueError("sage attention supports no mask, no dropout, no causal attention and no returned log-sum-exp")
@@ -243,10 +249,12 @@ def tokens_innermost(v: torch.Tensor) -> torch.Tensor:
     """`v` (batch, seq, heads, head_dim) stored as (batch, heads, head_dim, seq padded with zeros to a
     multiple of `TOKEN_ALIGN`), returned as a (batch, padded seq, heads, head_dim) view: what
     `sage_forward` reads V as. FP8 tensor cores take P·V's operands with the summed dim (tokens)
-    innermost; V as (batch, seq, heads, head_dim) made the kernel 2-3x slower (H100, BENCHMARKS.md).
+    innermost; V as (batch, seq, heads, head_dim) made the kernel 3.6x slower (H100, BENCHMARKS.md).
     The view is not cut back to seq (the keys say how many tokens the kernel reads): torch.export
     would have to prove padded >= seq, which it cannot for a symbolic count."""
     seq, align = v.shape[1], TOKEN_ALIGN
     padded = align * ((seq + align - 1) // align)  # written so that a symbolic token count still shows it
-    rows = torch.nn.functional.pad(v.permute(0, 2, 3, 1), (0, padded - seq)).contiguous()
-    return rows.permute(0, 3, 1, 2)
+    # A clone, not .contiguous(): export takes pad's output as contiguous and would drop the latter, but
+    # eager pad by 0 (a token count already aligned) returns the permuted view as it is.
+    rows = torch.nn.functional.pad(v.permute(0, 2, 3, 1), (0, padded - seq))
+    return rows.clone(memory_format=torch.contiguous_format).permute(0, 3, 1, 2)

@@ -75,18 +75,19 @@ def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_b
     low_precision_blocks_match_eager(Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off"))
 
 
-def low_precision_blocks_match_eager(options: Options) -> None:
+def low_precision_blocks_match_eager(options: Options, sizes=((1024, 768),)) -> None:
     """The wide pipeline's blocks compiled with the attention `options` asks for (FP8 attention: held
-    to the FP8 bound) against its eager images."""
+    to the FP8 bound) against its eager images at each of `sizes`."""
     pipe = wide_pipeline()
-    expected = images(pipe)
+    expected = [images(pipe, size) for size in sizes]
     compiled = compile_blocks(*decided(pipe, options))
     assert compiled.decisions[1].value == options.attention, compiled.decisions[1]
     print({name: f"{p.rel_error:.2e}" for name, p in compiled.packages.items()})
     patch_blocks_(pipe, compiled)
-    error = rel_error(images(pipe), expected)
-    print(f"{options.attention} images vs eager: {error:.2e}")
-    assert error < FP8_MAX_REL_ERROR, f"{options.attention} compiled vs eager SDPA: {error:.2e}"
+    for size, reference in zip(sizes, expected, strict=True):
+        error = rel_error(images(pipe, size), reference)
+        print(f"{options.attention} images at {size} vs eager: {error:.2e}")
+        assert error < FP8_MAX_REL_ERROR, f"{options.attention} compiled vs eager SDPA at {size}: {error:.2e}"
 
 
 def test_fa3_with_chromas_mask_folded_matches_masked_sdpa():
@@ -224,8 +225,9 @@ def test_sage_kernel_computes_its_8_bit_arithmetic_and_stays_near_sdpa():
 
 def test_sage_blocks_compile_into_packages_and_match_eager():
     """`attention=sage` asked for: no timing, the blocks compiled with the kernel in their packages
-    (the exported graph calls `aot_sage::forward`: `_compile_class` checks) against eager SDPA."""
-    low_precision_blocks_match_eager(Options(attention="sage", fp8="off"))
+    (the exported graph calls `aot_sage::forward`: `_compile_class` checks) against eager SDPA, at a
+    size whose token count V needs no padding for and at one it does (1040x1040: 4225 image tokens)."""
+    low_precision_blocks_match_eager(Options(attention="sage", fp8="off"), sizes=((1024, 768), (1040, 1040)))
 
 
 def test_fp32_pipeline_falls_back_to_sdpa():
