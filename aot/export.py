@@ -278,8 +278,8 @@ def _low_precision_errors(classes: dict[str, Captured], kernel: str) -> dict[str
 def _attention_note(classes: dict[str, Captured], kernel: str, timed: bool) -> str:
     """What the attention decision says of `kernel`: its name; where `timed` (chosen by the plan, not
     asked for) and its gain depends on the GPU (`TIMED`), its time against SDPA's at the blocks'
-    shapes (`_timed_note`); for a low-precision
-    kernel (`LOW_PRECISION`) the largest eager block error it makes (`_low_precision_errors`).
+    shapes (`_timed_note`); for a low-precision kernel (`LOW_PRECISION`) the largest eager block
+    error it makes (`_low_precision_errors`), checked first.
 
     Raises:
         RuntimeError: the kernel is not `attention.MIN_GAIN` times faster than SDPA here, or a
