@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from aot.fa3 import fa3_attention, fp8_attention, quantize_per_head
-from aot.sage import quantize_per_token, sage_attention, sage_forward, tokens_innermost
+from aot.fa3 import fa3_attention, fp8_attention
+from aot.sage import quantized, sage_attention, sage_forward
 
 # The kernels that round Q, K, V or P below bf16: each block is held to the FP8 blocks' error bound,
 # and each class's first block is checked eager before any compile (export.py's `_attention_note`).
@@ -115,10 +115,7 @@ def ms_per_call(kernel: str, shapes: set[tuple[tuple[int, ...], tuple[int, ...]]
         q = torch.randn(q_shape, device=device, dtype=torch.bfloat16)
         k, v = (torch.randn(k_shape, device=device, dtype=torch.bfloat16) for _ in range(2))
         if kernel == "sage":
-            (qi, qs), (ki, ks) = quantize_per_token(q), quantize_per_token(k)
-            v8, vd = quantize_per_head(v)
-            args = (qi, ki, tokens_innermost(v8), qs, ks, vd, q_shape[-1] ** -0.5)
-            call = functools.partial(sage_forward, *args)
+            call = functools.partial(sage_forward, *quantized(q, k, v, None))
         else:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, q_shape[2] != k_shape[2]

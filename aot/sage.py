@@ -239,10 +239,17 @@ def sage_attention(
     """
     if attn_mask is not None or dropout_p or is_causal or return_lse:
         raise ValueError("sage attention supports no mask, no dropout, no causal attention and no returned log-sum-exp")
+    return sage_forward(*quantized(query, key, value, scale)).to(query.dtype)
+
+
+def quantized(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> tuple[Any, ...]:
+    """`sage_forward`'s arguments for attention over `query` (batch, seq, heads, head_dim), `key` and
+    `value` (batch, seq_k, kv_heads, head_dim), any float dtype, at softmax `scale` (None: 1/sqrt(head_dim)):
+    Q and K per token (`quantize_per_token`), V per head and tokens innermost (`tokens_innermost`)."""
     (q, q_scale), (k, k_scale) = quantize_per_token(query), quantize_per_token(key)
     v, v_descale = quantize_per_head(value)
     softmax_scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return sage_forward(q, k, tokens_innermost(v), q_scale, k_scale, v_descale, softmax_scale).to(query.dtype)
+    return q, k, tokens_innermost(v), q_scale, k_scale, v_descale, softmax_scale
 
 
 def tokens_innermost(v: torch.Tensor) -> torch.Tensor:
