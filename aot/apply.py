@@ -14,7 +14,7 @@ from typing import Any
 from aot import lora, text_fp8
 from aot.blocks import patch_forward, patched_forward, repeated_blocks, unpatch_forward
 from aot.compiled import Compiled, Report
-from aot.fp8 import fp8_config, quantize_block_
+from aot.fp8 import quantize_block_
 from aot.graphs import GraphedStep, graph_step_
 from aot.runner import BindingCheck, CompiledBlock, SharedPackage, check_constants
 
@@ -74,7 +74,7 @@ def patch_blocks_(pipe: Any, compiled: Compiled) -> Report:
         package = compiled.packages[name]
         if package.fp8:
             for block in found:
-                quantize_block_(block, fp8_config(package.fp8))
+                quantize_block_(block, package.fp8)
         for index, block in enumerate(found):
             check_constants(block, package, index)
         shared = SharedPackage(package, compiled.fa3_kernel)  # one load per class, not per block

@@ -23,7 +23,7 @@ class BlockPackage:
     package: bytes
     contract: Contract
     constants: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
-    fp8: str | None  # the FP8 granularity its linear layers were quantized at ("row", "tensor"), or None
+    fp8: str | None  # the FP8 granularity its linear layers were quantized at (`options.FP8_GRANULARITIES`), or None
     export_s: float
     compile_s: float
     rel_error: float

@@ -34,7 +34,7 @@ from aot.contract import CapturedCall, Contract, contract_from_captures
 from aot.fa3 import FA3_KERNELS
 from aot.families import Family, family
 from aot.fingerprint import fingerprint
-from aot.fp8 import FP8_MAX_REL_ERROR, FP8_MIN_FEATURES, fewest_rows, fp8_config, quantize_block_
+from aot.fp8 import FP8_MAX_REL_ERROR, FP8_MIN_FEATURES, fewest_rows, quantize_block_
 from aot.lowering import compile_package
 from aot.overlap import overlapped
 from aot.plans import Trials, Walk, brief
@@ -352,7 +352,7 @@ def _compile_classes(
     def fp8_trial(name: str, granularity: str) -> tuple[tuple[int, int], BlockPackage | None]:
         block, inputs, contract, references, rows = classes[name]
         quantized = copy.deepcopy(block)
-        counts = quantize_block_(quantized, fp8_config(granularity), rows)
+        counts = quantize_block_(quantized, granularity, rows)
         if counts[0] == 0:
             return counts, None
         return counts, _compile_class(name, quantized, inputs, contract, attention, references, fp8=granularity)

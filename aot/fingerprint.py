@@ -21,7 +21,7 @@ from aot.contract import dtype_name
 from aot.resolution import Resolution
 
 # 3: contracts give each dynamic dim as image and text coefficients (contract.TensorSpec); 4: fp8 is the
-# granularity the GPU's plan kept ("row", "tensor") or "off", per package and for the set.
+# granularity the GPU's plan kept (`options.FP8_GRANULARITIES`) or "off", per package and for the set.
 SCHEMA = 4
 
 
@@ -29,7 +29,7 @@ def fingerprint(
     transformer: torch.nn.Module, resolution: Resolution, attention: str, fp8: str, fa3_kernel: str | None
 ) -> dict[str, Any]:
     """What packages compiled for `transformer` are valid for (JSON-able): `attention` the kernel
-    ("fa3", "fa3-fp8", "sage", "sdpa"), `fp8` the granularity ("row", "tensor") or "off", `fa3_kernel`
+    ("fa3", "fa3-fp8", "sage", "sdpa"), `fp8` the granularity (`options.FP8_GRANULARITIES`) or "off", `fa3_kernel`
     where FA3 is loaded from (None unless `attention` calls FA3)."""
     import diffusers  # heavy: at first use
     import torchao  # heavy: at first use

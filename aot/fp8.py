@@ -1,5 +1,6 @@
 """FP8 in the blocks' linear layers: torchao's dynamic-activation, FP8-weight quantization, which
-layers get it, and the cuBLASLt shape it must avoid (`BiasAfterGEMM`)."""
+layers get it, the cuBLASLt shape it must avoid (`BiasAfterGEMM`), and row-wise scales where
+cuBLAS has no row-wise scaled GEMM (`RowScalesAfterGEMM`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from aot.blocks import pre_hooks
+from aot.options import FP8_GRANULARITIES
 
 # An FP8 block vs the eager bf16 block on the same inputs; above this, `fp8=auto` keeps that class
 # in bf16 (FP8 has 3 mantissa bits: a few percent is its normal cost; NaN or noise is far above).
@@ -28,27 +30,31 @@ BIAS_AFTER_GEMM_ROWS = 256
 
 
 def fp8_config(granularity: str) -> Any:
-    """torchao's FP8 dynamic-activation, FP8-weight config at `granularity` ("row" or "tensor").
+    """torchao's FP8 dynamic-activation, FP8-weight config at `granularity` (`options.FP8_GRANULARITIES`;
+    "row-after" quantizes as "row"). Raises `ValueError` for another granularity.
 
     `set_inductor_config=False`: Inductor settings live in `INDUCTOR_CONFIGS`, not in a global
     that quantizing changes.
     """
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor  # heavy: at first use
 
+    if granularity not in FP8_GRANULARITIES:
+        raise ValueError(f"FP8 granularity {granularity!r}: use one of {', '.join(FP8_GRANULARITIES)}")
     return Float8DynamicActivationFloat8WeightConfig(
-        granularity=PerRow() if granularity == "row" else PerTensor(), set_inductor_config=False
+        granularity=PerTensor() if granularity == "tensor" else PerRow(), set_inductor_config=False
     )
 
 
-def quantize_block_(block: torch.nn.Module, config: Any, rows: dict[str, int] | None = None) -> tuple[int, int]:
-    """Quantize the block's linear layers with torchao `config`, in place.
+def quantize_block_(block: torch.nn.Module, granularity: str, rows: dict[str, int] | None = None) -> tuple[int, int]:
+    """Quantize the block's linear layers to FP8 at `granularity` (`options.FP8_GRANULARITIES`) with torchao, in place.
 
     Layers narrower than `FP8_MIN_FEATURES` or not 16-aligned stay as they are, and so do layers
-    already quantized (so applying twice is harmless). `rows`: each linear layer's fewest input rows
-    in the block's captured calls, by its name in the block (`fewest_rows`); row-wise, a quantized
-    layer with a bias that saw at most `BIAS_AFTER_GEMM_ROWS` of them becomes a `BiasAfterGEMM`
-    (none without `rows`: binding saved packages runs their graphs, not these layers). Returns
-    (quantized, skipped) layer counts.
+    already quantized (so applying twice is harmless). At "row-after" every quantized layer becomes
+    a `RowScalesAfterGEMM`. `rows`: each linear layer's fewest input rows in the block's captured
+    calls, by its name in the block (`fewest_rows`); at "row", a quantized layer with a bias that saw
+    at most `BIAS_AFTER_GEMM_ROWS` of them becomes a `BiasAfterGEMM` (none without `rows`: binding
+    saved packages runs their graphs, not these layers). Returns (quantized, skipped) layer counts.
+    Raises `ValueError` for an unknown granularity.
     """
     from torchao.quantization import quantize_  # heavy: at first use
 
@@ -66,12 +72,13 @@ def quantize_block_(block: torch.nn.Module, config: Any, rows: dict[str, int] | 
     }
     if eligible:
         chosen = {id(linears[name]) for name in eligible}
-        quantize_(block, config, filter_fn=lambda m, _: id(m) in chosen)
-        if _row_wise(config) and rows is not None:
-            for name in eligible:
-                few = rows.get(name, 0) <= BIAS_AFTER_GEMM_ROWS  # a layer no captured call ran: unknown, so few
-                if few and linears[name].bias is not None:
-                    linears[name].__class__ = BiasAfterGEMM
+        quantize_(block, fp8_config(granularity), filter_fn=lambda m, _: id(m) in chosen)
+        for name in eligible:
+            few = rows is not None and rows.get(name, 0) <= BIAS_AFTER_GEMM_ROWS  # no captured call: unknown, so few
+            if granularity == "row-after":
+                linears[name].__class__ = RowScalesAfterGEMM
+            elif granularity == "row" and few and linears[name].bias is not None:
+                linears[name].__class__ = BiasAfterGEMM
     return len(eligible), len(linears) - len(eligible)
 
 
@@ -109,11 +116,40 @@ class BiasAfterGEMM(torch.nn.Linear):
         return torch.nn.functional.linear(input, self.weight) + self.bias
 
 
-def _row_wise(config: Any) -> bool:
-    """Whether torchao `config` scales FP8 per row (its `granularity`: one, or one per operand)."""
-    from torchao.quantization import PerRow  # heavy: at first use
+class RowScalesAfterGEMM(torch.nn.Linear):
+    """A row-wise FP8 layer for GPUs whose cuBLAS scales FP8 only per tensor (sm_120, sm_89).
 
-    granularity = getattr(config, "granularity", None)
-    return any(
-        isinstance(g, PerRow) for g in (granularity if isinstance(granularity, (list, tuple)) else [granularity])
-    )
+    cuBLAS has no row-wise scaled FP8 GEMM on sm_120: `torch._scaled_mm` with row-wise scales
+    returns `CUBLAS_STATUS_NOT_SUPPORTED` there (pytorch#192707, #161236; sm_89 has none either).
+    This layer keeps torchao's row-wise weight (FP8 values, a float32 scale per output channel) and
+    torchao's activation quantization (a scale per row: its abs-max / 448), runs the GEMM with unit
+    per-tensor scales, and multiplies the bf16 product by each row's and column's scale afterwards,
+    where Inductor fuses the product, the bias and the cast into the kernel that reads the GEMM's
+    output. Its FP8 values are row-wise FP8's; the result differs from cuBLAS's row-wise epilogue by
+    a second bf16 rounding of the product (tests/test_options.py bounds it). Same parameters and
+    names as the `nn.Linear` it replaces; input (..., in_features) bf16 or fp16, output (...,
+    out_features) of the input's dtype.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8  # heavy
+
+        weight = self.weight  # torchao's Float8Tensor: qdata (out, in) FP8, scale (out, 1) float32
+        kind = weight.act_quant_kwargs  # how torchao quantizes this layer's activations
+        rows = [1] * (input.dim() - 1) + [self.in_features]
+        bounds = {"hp_value_lb": kind.hp_value_lb, "hp_value_ub": kind.hp_value_ub}
+        scale = _choose_scale_float8(input, rows, kind.float8_dtype, **bounds)  # float32 (..., 1)
+        data = _quantize_affine_float8(input, scale, kind.float8_dtype)
+        unit = torch.ones((), dtype=torch.float32, device=input.device)
+        product = torch._scaled_mm(
+            data.reshape(-1, self.in_features),
+            weight.qdata.t(),
+            scale_a=unit,
+            scale_b=unit,
+            out_dtype=input.dtype,
+            use_fast_accum=weight.mm_config.use_fast_accum,
+        ).reshape(*input.shape[:-1], self.out_features)
+        output = product * (scale * weight.scale.reshape(-1))  # float32: (..., 1) x (out,)
+        if self.bias is not None:
+            output = output + self.bias
+        return output.to(input.dtype)

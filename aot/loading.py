@@ -25,7 +25,7 @@ from aot.compiled import BlockPackage, Compiled
 from aot.destinations import COMMIT, hub_label, hub_repo
 from aot.fa3 import FA3_KERNELS
 from aot.fingerprint import differences, fingerprint, variant
-from aot.options import Options
+from aot.options import FP8_GRANULARITIES, Options
 from aot.plans import Decision, Trials, one_line
 from aot.resolution import Resolution
 from aot.saving import PACKAGE, tidy_unless_saving
@@ -212,19 +212,20 @@ def _check_config(config: Any, config_name: str, classes: list[str]) -> None:
             and meta["bytes"] >= 0
             and isinstance(meta.get("sha256"), str)
             and re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]) is not None
-            and meta.get("fp8", "") in ("row", "tensor", None)
+            and meta.get("fp8", "") in (*FP8_GRANULARITIES, None)
         )
         if not ok:
             raise Refused(
-                f"{config_name} is malformed: {block} needs bytes (int), sha256 (hex) and fp8 (row, tensor or null)"
+                f"{config_name} is malformed: {block} needs bytes (int), sha256 (hex) and fp8 "
+                f"({', '.join(FP8_GRANULARITIES)} or null)"
             )
     decisions = config.get("decisions")
     if not isinstance(decisions, list) or not all(
         isinstance(d, list) and len(d) == 3 and all(isinstance(x, str) for x in d) for d in decisions
     ):
         raise Refused(f"{config_name} is malformed: decisions must be [name, value, reason] strings")
-    if config.get("fp8_granularity", "") not in ("row", "tensor", None):
-        raise Refused(f"{config_name} is malformed: fp8_granularity must be row, tensor or null")
+    if config.get("fp8_granularity", "") not in (*FP8_GRANULARITIES, None):
+        raise Refused(f"{config_name} is malformed: fp8_granularity must be {', '.join(FP8_GRANULARITIES)} or null")
 
 
 def _open_inside(folder: Path, relative: str, cache: Path | None = None) -> BinaryIO:

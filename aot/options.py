@@ -29,6 +29,14 @@ MIN_SIDE, MAX_SIDE = 512, 1536
 LARGEST_SIDE = 2048
 
 
+# The FP8 granularities a plan or `--fp8-granularity` can name. "row": a scale per row of the
+# activation (per token) and of the weight (per output channel), applied in cuBLAS's row-wise scaled
+# GEMM (sm_90, sm_100). "row-after": the same FP8 values and scales, applied after a GEMM with unit
+# scales (`fp8.RowScalesAfterGEMM`), where cuBLAS scales FP8 only per tensor (sm_120, sm_89).
+# "tensor": one scale per activation and one per weight.
+FP8_GRANULARITIES = ("row", "row-after", "tensor")
+
+
 def _option(env: str, help: str, **argparse_kwargs: Any) -> dict[str, Any]:
     return {"env": env, "help": help, **argparse_kwargs}
 
@@ -80,9 +88,10 @@ class Options:
         default="auto",
         metadata=_option(
             "AOT_FP8_GRANULARITY",
-            "FP8 scaling: one scale per row (activations per token, weights per output channel), per tensor, or"
-            " auto: the GPU's plan (plans.PLANS: row then tensor on Hopper, tensor on sm_89 and sm_120)",
-            choices=("auto", "row", "tensor"),
+            "FP8 scaling: one scale per row (activations per token, weights per output channel) in the GEMM, the"
+            " same scales applied after it (row-after: where cuBLAS scales FP8 only per tensor), per tensor, or auto:"
+            " the GPU's plan (plans.PLANS: row then tensor on Hopper, row-after then tensor on sm_89 and sm_120)",
+            choices=("auto", *FP8_GRANULARITIES),
         ),
     )
     plan: str = field(

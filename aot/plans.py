@@ -60,9 +60,9 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
         Plan(
             "sm_120",
             ("sage", "sdpa"),
-            ("tensor",),
+            ("row-after", "tensor"),
             "RTX Blackwell (ZeroGPU's RTX Pro 6000): FA3 is a Hopper kernel, 8-bit attention in Triton first; "
-            "cuBLAS refuses row-wise scaled FP8 there (pytorch#192707, #161236)",
+            "cuBLAS refuses row-wise scaled FP8 there (pytorch#192707, #161236), so row scales go after the GEMM",
         ),
     ),
     (
@@ -78,7 +78,13 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
     (
         (8, 9),
         (8, 9),
-        Plan("sm_89", ("sage", "sdpa"), ("tensor",), "Ada: 8-bit attention in Triton first; row-wise FP8 needs sm_90"),
+        Plan(
+            "sm_89",
+            ("sage", "sdpa"),
+            ("row-after", "tensor"),
+            "Ada: 8-bit attention in Triton first; cuBLAS's row-wise scaled FP8 needs sm_90, "
+            "so row scales go after the GEMM",
+        ),
     ),
     ((0, 0), (8, 8), Plan("sm_80", ("sdpa",), (), "FP8 needs compute capability >= 8.9")),
 )

@@ -165,8 +165,8 @@ def capability_checks_pass(monkeypatch, fa3: bool = True):
     [
         (None, "cpu", ["sdpa"], []),
         ((9, 0), "sm_90", ["fa3-fp8", "fa3", "sdpa"], ["row", "tensor"]),
-        ((12, 0), "sm_120", ["sage", "sdpa"], ["tensor"]),
-        ((8, 9), "sm_89", ["sage", "sdpa"], ["tensor"]),
+        ((12, 0), "sm_120", ["sage", "sdpa"], ["row-after", "tensor"]),
+        ((8, 9), "sm_89", ["sage", "sdpa"], ["row-after", "tensor"]),
         ((8, 0), "sm_80", ["sdpa"], []),
         ((10, 0), "sm_100", ["sage", "sdpa"], ["row", "tensor"]),
     ],
@@ -194,14 +194,15 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     pipe = load_tiny()
     patch_blocks_(pipe, compiled)
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < TOLERANCE
-    # ZeroGPU's card: no FA3 in its plan (none tried), sage left out off CUDA, per-tensor FP8 only. The
-    # decisions are what is checked here, and the walk is the same for every block class: one class is compiled.
+    # ZeroGPU's card: no FA3 in its plan (none tried), sage left out off CUDA, row-wise FP8 with its scales after
+    # the GEMM, then per tensor. The decisions are what is checked here, and the walk is the same for every block
+    # class: one class is compiled.
     pipe = load_tiny()
     pipe.transformer._repeated_blocks = ["FluxSingleTransformerBlock"]
     plan, attention, fp8 = compile_blocks(*decided(pipe, tiny_options(plan="12.0"))).decisions
     sage_skipped = "sage skipped (sage attention needs a CUDA GPU; the pipeline is on cpu)"
     assert (plan.value, attention.reason) == ("sm_120", f"plan sm_120: {sage_skipped} -> sdpa")
-    walk = r"plan sm_120: tensor failed its trial \(FluxSingleTransformerBlock: .+\) -> bf16"
+    walk = r"plan sm_120: row-after failed its trial \(.+\) -> tensor failed its trial \(.+\) -> bf16"
     assert re.fullmatch(walk, fp8.reason), fp8
 
 
@@ -210,10 +211,10 @@ def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, 
     # row-wise FP8 really fails its trial here, as it does on sm_120.
     from torchao.quantization import Int8WeightOnlyConfig
 
-    from aot import apply, compiled, export
+    from aot import compiled, fp8
 
     capability_checks_pass(monkeypatch, fa3=False)
-    for module in (export, apply, compiled):
+    for module in (fp8, compiled):
         monkeypatch.setattr(module, "fp8_config", lambda g: Int8WeightOnlyConfig() if g == "tensor" else fp8_config(g))
     compiled = compile_blocks(*decided(load_tiny(), tiny_options(plan="9.0")))
     fp8 = compiled.decisions[2]
@@ -223,50 +224,6 @@ def test_a_failed_granularity_falls_back_to_the_next_one_that_runs(monkeypatch, 
     pipe = load_tiny()
     patch_blocks_(pipe, compiled)  # quantizes each class at its package's granularity before binding
     assert rel_error(generate(pipe, 512, 512), generate(eager_pipe, 512, 512)) < 5e-2
-
-
-def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
-    """`BiasAfterGEMM` (what `quantize_block_` makes a row-wise FP8 layer with a bias): the same result
-    and parameter names as the `nn.Linear` it was, and its exported graph calls the GEMM without the
-    bias. On the CPU a bf16 layer stands in for the FP8 one (torchao's FP8 needs compute capability
-    8.9); tests/test_gpu.py runs the FP8 layer cuBLASLt refused."""
-    from aot.fp8 import BiasAfterGEMM
-
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 32)
-    x = torch.randn(3, 64)
-    reference = linear(x)
-    linear.__class__ = BiasAfterGEMM
-    torch.testing.assert_close(linear(x), reference)
-    assert [name for name, _ in linear.named_parameters()] == ["weight", "bias"]
-    graph = torch.export.export(linear, (x,)).graph
-    (gemm,) = [n for n in graph.nodes if n.target == torch.ops.aten.linear.default]
-    assert len(gemm.args) == 2  # input, weight: no bias
-    assert any(n.target == torch.ops.aten.add.Tensor for n in graph.nodes)
-
-
-def test_the_rows_each_linear_layer_saw_are_recorded_by_its_name_in_the_block():
-    """`fewest_rows`: the GEMM's M (all but the input's last dim) per linear layer, the fewest over the
-    calls made inside, by the layer's name in the block; what decides `BiasAfterGEMM` (the FP8 swap
-    itself needs a GPU: tests/test_gpu.py)."""
-    from aot.fp8 import BIAS_AFTER_GEMM_ROWS, fewest_rows
-
-    block = torch.nn.ModuleDict({"image": torch.nn.Linear(8, 8), "text": torch.nn.Linear(8, 8)})
-    with fewest_rows(block) as rows:
-        for image, text in ((64, 14), (16, 300)):
-            block["image"](torch.randn(2, image, 8))
-            block["text"](input=torch.randn(text, 8))
-    assert rows == {"image": 32, "text": 14}
-    block["image"](torch.randn(1, 8))  # outside: not recorded, and the hooks are gone
-    assert rows == {"image": 32, "text": 14} and not block["image"]._forward_pre_hooks
-    assert rows["text"] <= BIAS_AFTER_GEMM_ROWS < 1024  # a short prompt's text; 512 px of image has 1024 tokens
-
-
-def test_only_row_wise_fp8_moves_the_bias_out_of_the_gemm():
-    """cuBLASLt's refusal is of row-wise scales; per tensor keeps its bias in the GEMM's epilogue."""
-    from aot.fp8 import _row_wise
-
-    assert _row_wise(fp8_config("row")) and not _row_wise(fp8_config("tensor"))
 
 
 def test_fp8_on_that_fails_every_trial_raises(monkeypatch):

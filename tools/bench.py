@@ -133,7 +133,8 @@ SCENARIOS = {
     "all": dict(),
     # bf16 FA3 in place of the plan's FP8 attention, everything else as `all`.
     "fa3": dict(attention="fa3"),
-    # ZeroGPU's card (an RTX Pro 6000, sm_120) rehearsed: its plan of trials (SDPA, FP8 per tensor).
+    # ZeroGPU's card (an RTX Pro 6000, sm_120) rehearsed: its plan of trials (sage or SDPA; FP8 row-wise with
+    # its scales after the GEMM, then per tensor).
     "sm120": dict(plan="12.0"),
 }
 # aot and aot+fa3 share bf16 weights; FP8 quantizes in place, so those scenarios get a process each

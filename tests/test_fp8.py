@@ -1,0 +1,140 @@
+"""FP8 linear layers on the CPU: which layers `quantize_block_` quantizes and swaps at each granularity,
+`BiasAfterGEMM`, and `RowScalesAfterGEMM`'s arithmetic and exported graph (tests/test_gpu.py runs them
+on a GPU, inside compiled blocks)."""
+
+import pytest
+import torch
+from torchao.quantization import Float8Tensor, PerRow
+
+from aot.fp8 import BIAS_AFTER_GEMM_ROWS, BiasAfterGEMM, RowScalesAfterGEMM, fewest_rows, quantize_block_
+from aot.options import FP8_GRANULARITIES
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """Stand-in for a GPU of compute capability 8.9 or more: torchao refuses to quantize without one
+    (`_check_hardware_support`), though what it guards, the scales and the cast, is torch ops a CPU runs.
+    Only that check is replaced; torchao's quantization and torch's `_scaled_mm` (per-tensor scales run on
+    a CPU; row-wise ones do not, as on sm_120) are real."""
+    from torchao.quantization import quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+
+
+def _block() -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {
+            "text": torch.nn.Linear(256, 512),  # a bias, few rows
+            "image": torch.nn.Linear(512, 256),  # a bias, many rows
+            "gate": torch.nn.Linear(256, 256, bias=False),
+            "narrow": torch.nn.Linear(64, 256),  # under FP8_MIN_FEATURES: stays bf16
+        }
+    ).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("granularity", "expected"),
+    [
+        ("row", {"text": BiasAfterGEMM, "image": torch.nn.Linear, "gate": torch.nn.Linear}),
+        ("row-after", {"text": RowScalesAfterGEMM, "image": RowScalesAfterGEMM, "gate": RowScalesAfterGEMM}),
+        ("tensor", {"text": torch.nn.Linear, "image": torch.nn.Linear, "gate": torch.nn.Linear}),
+    ],
+)
+def test_each_granularity_quantizes_the_wide_layers_and_swaps_the_ones_it_must(fp8_on_cpu, granularity, expected):
+    block = _block()
+    rows = {"text": 14, "image": 4096, "gate": 4096}
+    assert quantize_block_(block, granularity, rows) == (3, 1)
+    assert {name: type(block[name]) for name in expected} == expected
+    assert all(isinstance(block[name].weight, Float8Tensor) for name in expected)
+    assert type(block["narrow"]) is torch.nn.Linear and type(block["narrow"].weight) is torch.nn.Parameter
+    scales = {tuple(block[name].weight.scale.shape) for name in expected}
+    assert scales == ({(1, 1)} if granularity == "tensor" else {(512, 1), (256, 1)}), scales
+    assert quantize_block_(block, granularity, rows) == (0, 1)  # applied twice: nothing left to quantize
+
+
+def test_an_unknown_granularity_is_refused_with_the_ones_allowed():
+    with pytest.raises(ValueError, match="'col'.*" + ", ".join(FP8_GRANULARITIES)):
+        quantize_block_(_block(), "col")
+
+
+def _row_after_layer(fp8_on_cpu) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """A bf16 layer and its copy quantized at "row-after"."""
+    layer = torch.nn.Linear(256, 512).to(torch.bfloat16)
+    quantized = torch.nn.ModuleDict({"layer": torch.nn.Linear(256, 512).to(torch.bfloat16)})
+    quantized["layer"].load_state_dict(layer.state_dict())
+    quantize_block_(quantized, "row-after")
+    return layer, quantized["layer"]
+
+
+def _rows_of_every_scale(tokens: int = 96) -> torch.Tensor:
+    """Activations whose rows span 12 orders of magnitude: per-tensor FP8 flushes the small rows to zero."""
+    torch.manual_seed(1)
+    magnitudes = 10.0 ** torch.linspace(-6, 6, tokens).reshape(1, tokens, 1)
+    return (torch.randn(2, tokens, 256) * magnitudes).to(torch.bfloat16)
+
+
+def test_row_scales_after_the_gemm_give_row_wise_fp8s_result_on_every_row(fp8_on_cpu):
+    """Against the same FP8 values dequantized by torchao and multiplied in float32: each row within
+    the output's bf16 rounding (two roundings here: the product's, then the scaled result's)."""
+    _, layer = _row_after_layer(fp8_on_cpu)
+    x = _rows_of_every_scale()
+    activation = Float8Tensor.from_hp(x, granularity=PerRow())  # torchao's quantization, as the layer's
+    reference = activation.dequantize().float() @ layer.weight.dequantize().float().t() + layer.bias.float()
+    output = layer(x)
+    assert output.dtype == torch.bfloat16 and output.shape == (2, 96, 512)
+    per_row = (output.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert per_row.max() < 1e-2, per_row.max()
+
+
+def test_row_scales_after_the_gemm_export_as_a_per_tensor_gemm_then_the_scales(fp8_on_cpu):
+    """The exported graph has one `_scaled_mm`, with 0-d (per-tensor) scales and no bias, which cuBLAS
+    runs on sm_120; the row and column scales and the bias come after it, where Inductor fuses them into
+    the next kernel. The exported program gives the eager layer's result at a token count it was not
+    traced with."""
+    _, layer = _row_after_layer(fp8_on_cpu)
+    x = _rows_of_every_scale()
+    with torch.no_grad():
+        program = torch.export.export(layer, (x,), dynamic_shapes=({1: torch.export.Dim("tokens", min=16, max=4096)},))
+    nodes = list(program.graph.nodes)
+    (gemm,) = [n for n in nodes if n.target == torch.ops.aten._scaled_mm.default]
+    scale_a, scale_b = gemm.args[2:4]
+    assert scale_a.meta["val"].dim() == 0 and scale_b.meta["val"].dim() == 0
+    assert len(gemm.args) < 5 or gemm.args[4] is None  # no bias in the GEMM
+    after = nodes[nodes.index(gemm) :]
+    assert sum(n.target == torch.ops.aten.mul.Tensor for n in after) >= 2
+    assert any(n.target == torch.ops.aten.add.Tensor for n in after)
+    other = _rows_of_every_scale(48)
+    torch.testing.assert_close(program.module()(other), layer(other), rtol=0, atol=0)
+
+
+def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
+    """`BiasAfterGEMM` (what `quantize_block_` makes a row-wise FP8 layer with a bias that saw few rows):
+    the same result and parameter names as the `nn.Linear` it was, and its exported graph calls the GEMM
+    without the bias. A bf16 layer stands in for the FP8 one: row-wise scaled FP8 does not run on a CPU;
+    tests/test_gpu.py runs the FP8 layer cuBLASLt refused."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    reference = linear(x)
+    linear.__class__ = BiasAfterGEMM
+    torch.testing.assert_close(linear(x), reference)
+    assert [name for name, _ in linear.named_parameters()] == ["weight", "bias"]
+    graph = torch.export.export(linear, (x,)).graph
+    (gemm,) = [n for n in graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(gemm.args) == 2  # input, weight: no bias
+    assert any(n.target == torch.ops.aten.add.Tensor for n in graph.nodes)
+
+
+def test_the_rows_each_linear_layer_saw_are_recorded_by_its_name_in_the_block():
+    """`fewest_rows`: the GEMM's M (all but the input's last dim) per linear layer, the fewest over the
+    calls made inside, by the layer's name in the block; what decides `BiasAfterGEMM`."""
+    block = torch.nn.ModuleDict({"image": torch.nn.Linear(8, 8), "text": torch.nn.Linear(8, 8)})
+    with fewest_rows(block) as rows:
+        for image, text in ((64, 14), (16, 300)):
+            block["image"](torch.randn(2, image, 8))
+            block["text"](input=torch.randn(text, 8))
+    assert rows == {"image": 32, "text": 14}
+    block["image"](torch.randn(1, 8))  # outside: not recorded, and the hooks are gone
+    assert rows == {"image": 32, "text": 14} and not block["image"]._forward_pre_hooks
+    assert rows["text"] <= BIAS_AFTER_GEMM_ROWS < 1024  # a short prompt's text; 512 px of image has 1024 tokens
