@@ -13,7 +13,8 @@ an argument, and only the packages and the decisions cross back. Outside ZeroGPU
 
 Every `auto` fast path is a trial (export, compile, load, parity against eager) in the order the
 GPU's plan gives (`plans.PLANS`, keyed by compute capability): on Hopper FP8 attention -> FA3 -> SDPA,
-elsewhere sage (8-bit attention in Triton, where it beats SDPA) -> SDPA; FP8 per row -> per tensor ->
+elsewhere sage (8-bit attention in Triton, where it beats SDPA) -> SDPA; FP8 per row (on sm_120 and
+sm_89 with the row scales applied after the GEMM, which cuBLAS cannot scale per row there) -> per tensor ->
 bf16; each fallback with its reason in the report; only the plain bf16 SDPA block
 has no fallback. torch's AOTI API is used directly (`torch.export.export`,
 `torch._inductor.aoti_compile_and_package`, the package loader, `load_constants`) rather than the
