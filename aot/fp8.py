@@ -126,9 +126,11 @@ class RowScalesAfterGEMM(torch.nn.Linear):
     per-tensor scales, and multiplies the bf16 product by each row's and column's scale afterwards,
     where Inductor fuses the product, the bias and the cast into the kernel that reads the GEMM's
     output. Its FP8 values are row-wise FP8's; the result differs from cuBLAS's row-wise epilogue by
-    a second bf16 rounding of the product (tests/test_options.py bounds it). Same parameters and
-    names as the `nn.Linear` it replaces; input (..., in_features) bf16 or fp16, output (...,
-    out_features) of the input's dtype.
+    a second bf16 rounding of the product (tests/test_fp8.py and tests/test_gpu.py bound it), and an
+    all-zero row gives the bias where torchao's scale of 0 gives NaN. Same parameters and names as
+    the `nn.Linear` it replaces; input (..., in_features), bf16 as torchao's row-wise weights are;
+    output (..., out_features) of the input's dtype. The product is kept in bf16, whose range holds
+    it (up to 448 x 448 x in_features), where fp16's would not.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -139,6 +141,7 @@ class RowScalesAfterGEMM(torch.nn.Linear):
         rows = [1] * (input.dim() - 1) + [self.in_features]
         bounds = {"hp_value_lb": kind.hp_value_lb, "hp_value_ub": kind.hp_value_ub}
         scale = _choose_scale_float8(input, rows, kind.float8_dtype, **bounds)  # float32 (..., 1)
+        scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero row: 0 / tiny, not 0 / 0
         data = _quantize_affine_float8(input, scale, kind.float8_dtype)
         unit = torch.ones((), dtype=torch.float32, device=input.device)
         product = torch._scaled_mm(
@@ -146,7 +149,7 @@ class RowScalesAfterGEMM(torch.nn.Linear):
             weight.qdata.t(),
             scale_a=unit,
             scale_b=unit,
-            out_dtype=input.dtype,
+            out_dtype=torch.bfloat16,
             use_fast_accum=weight.mm_config.use_fast_accum,
         ).reshape(*input.shape[:-1], self.out_features)
         output = product * (scale * weight.scale.reshape(-1))  # float32: (..., 1) x (out,)

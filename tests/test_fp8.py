@@ -58,33 +58,45 @@ def test_an_unknown_granularity_is_refused_with_the_ones_allowed():
         quantize_block_(_block(), "col")
 
 
-def _row_after_layer(fp8_on_cpu) -> tuple[torch.nn.Linear, torch.nn.Linear]:
-    """A bf16 layer and its copy quantized at "row-after"."""
-    layer = torch.nn.Linear(256, 512).to(torch.bfloat16)
-    quantized = torch.nn.ModuleDict({"layer": torch.nn.Linear(256, 512).to(torch.bfloat16)})
-    quantized["layer"].load_state_dict(layer.state_dict())
-    quantize_block_(quantized, "row-after")
-    return layer, quantized["layer"]
+def _row_after_layer() -> torch.nn.Linear:
+    """A layer quantized at "row-after" whose output channels' weights span four orders of magnitude
+    (one weight scale for all of them would flush the small ones)."""
+    torch.manual_seed(0)
+    layer = torch.nn.ModuleDict({"layer": torch.nn.Linear(256, 512)})
+    with torch.no_grad():
+        layer["layer"].weight.mul_(10.0 ** torch.linspace(-2, 2, 512).reshape(512, 1))
+    quantize_block_(layer.to(torch.bfloat16), "row-after")
+    return layer["layer"]
 
 
-def _rows_of_every_scale(tokens: int = 96) -> torch.Tensor:
-    """Activations whose rows span 12 orders of magnitude: per-tensor FP8 flushes the small rows to zero."""
+def _rows_of_every_scale(*leading: int) -> torch.Tensor:
+    """Activations (*leading, 256) whose rows span 12 orders of magnitude (one scale for all of them
+    would flush the small rows to zero), the first row all zeros."""
     torch.manual_seed(1)
-    magnitudes = 10.0 ** torch.linspace(-6, 6, tokens).reshape(1, tokens, 1)
-    return (torch.randn(2, tokens, 256) * magnitudes).to(torch.bfloat16)
+    rows = torch.Size(leading).numel()
+    magnitudes = 10.0 ** torch.linspace(-6, 6, rows).reshape(*leading, 1)
+    x = torch.randn(*leading, 256) * magnitudes
+    x.view(-1, 256)[0] = 0
+    return x.to(torch.bfloat16)
 
 
-def test_row_scales_after_the_gemm_give_row_wise_fp8s_result_on_every_row(fp8_on_cpu):
+@pytest.mark.parametrize("leading", [(96,), (2, 96), (2, 3, 32)])
+def test_row_scales_after_the_gemm_give_row_wise_fp8s_result_on_every_row(fp8_on_cpu, leading):
     """Against the same FP8 values dequantized by torchao and multiplied in float32: each row within
-    the output's bf16 rounding (two roundings here: the product's, then the scaled result's)."""
-    _, layer = _row_after_layer(fp8_on_cpu)
-    x = _rows_of_every_scale()
-    activation = Float8Tensor.from_hp(x, granularity=PerRow())  # torchao's quantization, as the layer's
-    reference = activation.dequantize().float() @ layer.weight.dequantize().float().t() + layer.bias.float()
+    the output's bf16 rounding (two roundings here: the product's, then the scaled result's); the
+    zero row gives the bias."""
+    layer = _row_after_layer()
+    x = _rows_of_every_scale(*leading)
     output = layer(x)
-    assert output.dtype == torch.bfloat16 and output.shape == (2, 96, 512)
-    per_row = (output.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
-    assert per_row.max() < 1e-2, per_row.max()
+    assert output.dtype == torch.bfloat16 and output.shape == (*leading, 512)
+    output, x = output.reshape(-1, 512), x.reshape(-1, 256)
+    assert torch.equal(output[0], layer.bias)
+    activation = Float8Tensor.from_hp(x[1:], granularity=PerRow())  # torchao's quantization, as the layer's
+    reference = activation.dequantize().float() @ layer.weight.dequantize().float().t() + layer.bias.float()
+    norms = reference.norm(dim=1, keepdim=True)  # each row to unit norm, so that no row outweighs the rest
+    error, reference = (output[1:].float() - reference) / norms, reference / norms
+    per_row, per_channel = error.norm(dim=1), error.norm(dim=0) / reference.norm(dim=0)
+    assert per_row.max() < 1e-2 and per_channel.max() < 1e-2, (per_row.max(), per_channel.max())
 
 
 def test_row_scales_after_the_gemm_export_as_a_per_tensor_gemm_then_the_scales(fp8_on_cpu):
@@ -92,8 +104,8 @@ def test_row_scales_after_the_gemm_export_as_a_per_tensor_gemm_then_the_scales(f
     runs on sm_120; the row and column scales and the bias come after it, where Inductor fuses them into
     the next kernel. The exported program gives the eager layer's result at a token count it was not
     traced with."""
-    _, layer = _row_after_layer(fp8_on_cpu)
-    x = _rows_of_every_scale()
+    layer = _row_after_layer()
+    x = _rows_of_every_scale(2, 96)
     with torch.no_grad():
         program = torch.export.export(layer, (x,), dynamic_shapes=({1: torch.export.Dim("tokens", min=16, max=4096)},))
     nodes = list(program.graph.nodes)
@@ -104,7 +116,7 @@ def test_row_scales_after_the_gemm_export_as_a_per_tensor_gemm_then_the_scales(f
     after = nodes[nodes.index(gemm) :]
     assert sum(n.target == torch.ops.aten.mul.Tensor for n in after) >= 2
     assert any(n.target == torch.ops.aten.add.Tensor for n in after)
-    other = _rows_of_every_scale(48)
+    other = _rows_of_every_scale(2, 48)
     torch.testing.assert_close(program.module()(other), layer(other), rtol=0, atol=0)
 
 
