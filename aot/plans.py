@@ -71,8 +71,9 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
         Plan(
             "sm_100",
             ("sage", "sdpa"),
-            ("row", "tensor"),
-            "datacenter Blackwell: FA3 is a Hopper kernel, 8-bit attention in Triton first",
+            ("row", "row-after", "tensor"),
+            "datacenter Blackwell: FA3 is a Hopper kernel, 8-bit attention in Triton first; row scales after the GEMM "
+            "where cuBLAS refuses them in it",
         ),
     ),
     (

@@ -181,9 +181,9 @@ def test_row_scales_after_the_gemm_match_cublas_row_wise_gemm():
     from aot.fp8 import RowScalesAfterGEMM, quantize_block_
 
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(3072, 12288), torch.nn.Linear(12288, 3072)]
-    row, after = (torch.nn.Sequential(*layers).to("cuda", torch.bfloat16) for _ in range(2))
+    row, after = (torch.nn.Sequential(torch.nn.Linear(3072, 12288), torch.nn.Linear(12288, 3072)) for _ in range(2))
     after.load_state_dict(row.state_dict())
+    row, after = row.to("cuda", torch.bfloat16), after.to("cuda", torch.bfloat16)
     assert quantize_block_(row, "row") == quantize_block_(after, "row-after") == (2, 0)
     assert type(after[0]) is RowScalesAfterGEMM and type(row[0]) is torch.nn.Linear
     magnitudes = 10.0 ** torch.linspace(-3, 3, 4096, device="cuda").reshape(1, 4096, 1)

@@ -168,7 +168,7 @@ def capability_checks_pass(monkeypatch, fa3: bool = True):
         ((12, 0), "sm_120", ["sage", "sdpa"], ["row-after", "tensor"]),
         ((8, 9), "sm_89", ["sage", "sdpa"], ["row-after", "tensor"]),
         ((8, 0), "sm_80", ["sdpa"], []),
-        ((10, 0), "sm_100", ["sage", "sdpa"], ["row", "tensor"]),
+        ((10, 0), "sm_100", ["sage", "sdpa"], ["row", "row-after", "tensor"]),
     ],
 )
 def test_the_plan_per_gpu_is_data_keyed_by_compute_capability(capability, plan, attention, fp8):
