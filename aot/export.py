@@ -410,7 +410,7 @@ def _compile_class(
         if not any(node.target is op for node in exported.graph.nodes):
             raise RuntimeError(f"{name}: attention={attention}, but the exported graph calls no {op}")
     start = time.perf_counter()
-    package = compile_package(exported)
+    package = compile_package(exported, fp8)
     compile_s = time.perf_counter() - start
     runner, constants = bind(package, block)
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """What every package asks of Inductor, and the call that compiles one: `compile_package`.
 
 Three changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
-the settings in `INDUCTOR_CONFIGS`, one heuristic in `persistent_rows`, and tanh-approximated GELU
-written with a sigmoid (`gelu_tanh_as_sigmoid`) before Inductor lowers the graph.
+the settings in `INDUCTOR_CONFIGS` (and `FP8_INDUCTOR_CONFIGS` over them, per FP8 granularity), one
+heuristic in `persistent_rows`, and tanh-approximated GELU written with a sigmoid
+(`gelu_tanh_as_sigmoid`) before Inductor lowers the graph.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
     # 15360-wide row was reduced in a loop, before `PERSISTENT_ROW_MAX` took it in).
     "realize_opcount_threshold": 16,
 }
+# Settings over `INDUCTOR_CONFIGS` for the packages of one FP8 granularity. `row-after` multiplies each
+# GEMM's product by its row and column scales in the kernels that read it (fp8.RowScalesAfterGEMM):
+# in FLUX's single block that puts the GELU's input past 16 ops, and Inductor then computes proj_out's
+# FP8 input in three kernels (GELU, a looped abs-max, the cast) instead of one. At 32 it is one again:
+# the single block took 1.599 ms against 1.794 ms at 16, where `row`'s took longer at 32 (1.605 against
+# 1.490 ms) (H100, 4,096 + 512 tokens, BENCHMARKS.md "Row-wise FP8 where cuBLAS has none").
+FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {"row-after": {"realize_opcount_threshold": 32}}
 # The widest row a reduction keeps in registers (`persistent_rows`): FLUX's 3072 features and its
 # single block's 15360-wide `proj_out` input.
 PERSISTENT_ROW_MAX = 16384
@@ -106,9 +114,10 @@ def _is_tanh_gelu(node: torch.fx.Node) -> bool:
     return node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none") == "tanh"
 
 
-def compile_package(exported: torch.export.ExportedProgram) -> bytes:
+def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = None) -> bytes:
     """AOTInductor-compile `exported` (after `decomposed`) into a weights-less `.pt2` package; returns
-    its bytes.
+    its bytes. `fp8`: the FP8 granularity its linear layers were quantized at, or None; it picks the
+    settings `FP8_INDUCTOR_CONFIGS` holds for it over `INDUCTOR_CONFIGS`.
 
     Its generated files get a name of their own (`aot_inductor.model_name_for_generated_files`), not
     their code's hash: Inductor holds a file lock named after it through the C++ build, and the next
@@ -118,7 +127,8 @@ def compile_package(exported: torch.export.ExportedProgram) -> bytes:
     from torch._inductor.virtualized import V
 
     exported = decomposed(exported)
-    settings = {**INDUCTOR_CONFIGS, "aot_inductor.model_name_for_generated_files": f"block_{uuid.uuid4().hex}"}
+    settings = {**INDUCTOR_CONFIGS, **FP8_INDUCTOR_CONFIGS.get(fp8, {})}
+    settings["aot_inductor.model_name_for_generated_files"] = f"block_{uuid.uuid4().hex}"
     with tempfile.TemporaryDirectory() as tmp, V.set_choices_handler(persistent_rows()):
         path = os.path.join(tmp, "package.pt2")
         torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=settings)

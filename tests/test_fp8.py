@@ -150,3 +150,28 @@ def test_the_rows_each_linear_layer_saw_are_recorded_by_its_name_in_the_block():
     block["image"](torch.randn(1, 8))  # outside: not recorded, and the hooks are gone
     assert rows == {"image": 32, "text": 14} and not block["image"]._forward_pre_hooks
     assert rows["text"] <= BIAS_AFTER_GEMM_ROWS < 1024  # a short prompt's text; 512 px of image has 1024 tokens
+
+
+def test_row_after_packages_compile_with_their_own_inductor_settings(monkeypatch):
+    """`compile_package(fp8="row-after")` hands Inductor `FP8_INDUCTOR_CONFIGS["row-after"]` over
+    `INDUCTOR_CONFIGS`; other granularities get `INDUCTOR_CONFIGS` alone. The real AOTInductor compile
+    runs (on a CPU); the spy only records the settings it was given (their effect on a GPU's kernels:
+    BENCHMARKS.md, "Row-wise FP8 where cuBLAS has none")."""
+    from aot import lowering
+
+    given = []
+    compile_and_package = torch._inductor.aoti_compile_and_package
+
+    def spy(exported, **kwargs):
+        given.append(kwargs["inductor_configs"])
+        return compile_and_package(exported, **kwargs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", spy)
+    exported = torch.export.export(torch.nn.Linear(16, 16), (torch.randn(4, 16),))
+    for fp8 in (None, "row", "row-after"):
+        assert lowering.compile_package(exported, fp8)[:2] == b"PK"  # a package: a zip file
+    thresholds = [settings["realize_opcount_threshold"] for settings in given]
+    default = lowering.INDUCTOR_CONFIGS["realize_opcount_threshold"]
+    row_after = lowering.FP8_INDUCTOR_CONFIGS["row-after"]["realize_opcount_threshold"]
+    assert thresholds == [default, default, row_after] and row_after > default
+    assert all(s.keys() >= lowering.INDUCTOR_CONFIGS.keys() for s in given)
