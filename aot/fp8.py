@@ -138,9 +138,9 @@ class RowScalesAfterGEMM(torch.nn.Linear):
 
         weight = self.weight  # torchao's Float8Tensor: qdata (out, in) FP8, scale (out, 1) float32
         kind = weight.act_quant_kwargs  # how torchao quantizes this layer's activations
-        rows = [1] * (input.dim() - 1) + [self.in_features]
+        block_size = [1] * (input.dim() - 1) + [self.in_features]  # torchao's name: one scale per row
         bounds = {"hp_value_lb": kind.hp_value_lb, "hp_value_ub": kind.hp_value_ub}
-        scale = _choose_scale_float8(input, rows, kind.float8_dtype, **bounds)  # float32 (..., 1)
+        scale = _choose_scale_float8(input, block_size, kind.float8_dtype, **bounds)  # float32 (..., 1)
         scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero row: 0 / tiny, not 0 / 0
         data = _quantize_affine_float8(input, scale, kind.float8_dtype)
         unit = torch.ones((), dtype=torch.float32, device=input.device)
