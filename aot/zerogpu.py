@@ -43,6 +43,10 @@ only their class name), brings back the state modules registered with `carry_bac
 shapes a worker checked, graphs.py), and logs one `zerogpu-call` line per call with what the
 counters registered with `count_per_call` spent (package loads and binds, costs.py). It imports
 no other module of the engine: the modules that own such state register it.
+
+spaces forks a new worker from the request's thread while other requests' threads make TLS contexts
+(each call to its device API builds an httpx client), and the worker's first act makes one too.
+`fork_safe_tls_contexts`, installed here on ZeroGPU, keeps the two apart.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ import json
 import logging
 import os
 import pickle
+import ssl
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -168,6 +174,47 @@ def worker(fn: F) -> F:
         return _Returned(value, {name: get() for name, (get, _) in _CARRIED.items()})
 
     return in_worker  # type: ignore[return-value]
+
+
+_TLS_FORK_LOCK = threading.Lock()
+
+
+def fork_safe_tls_contexts() -> None:
+    """Make this process's forks wait for any TLS context being made, and hold new ones during a fork.
+
+    A fork taken while another thread is inside OpenSSL's `SSL_CTX_new` leaves the child a lock that
+    no thread of the child will release, and the child's first TLS context then waits forever. On
+    ZeroGPU that child is a new worker: spaces forks it from the request's thread while other
+    requests' threads build httpx clients (a TLS context each, even with `verify=False`) for the
+    device API's /schedule and /release, and the worker builds one for /allow before anything else.
+    Seen under tools/zerogpu_harness.py with three visitors at once: a worker stuck in
+    `SSLContext.__new__` (spaces 0.51.3, httpx 0.28, OpenSSL 3.0). Three threads making contexts
+    beside 300 forks that each make one left 6-7 children hung without this and none with it (2-core
+    CPU, 2026-12-06; tests/test_zerogpu.py repeats it).
+
+    Wraps `ssl.SSLContext.__new__` (every context, `ssl.create_default_context`'s too) in a lock
+    that `os.register_at_fork` takes before each fork and releases after it, in parent and child.
+    Call it in the main process before the first fork; a second call does nothing.
+    """
+    if getattr(ssl.SSLContext.__new__, "fork_safe", False):
+        return
+    make = ssl.SSLContext.__new__
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> ssl.SSLContext:
+        with _TLS_FORK_LOCK:
+            return make(cls, *args, **kwargs)
+
+    __new__.fork_safe = True  # type: ignore[attr-defined]
+    ssl.SSLContext.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
+    os.register_at_fork(
+        before=_TLS_FORK_LOCK.acquire,
+        after_in_parent=_TLS_FORK_LOCK.release,
+        after_in_child=_TLS_FORK_LOCK.release,
+    )
+
+
+if ON_ZEROGPU:
+    fork_safe_tls_contexts()
 
 
 # When this process was forked (wall clock), and how many calls it has run: a worker's first call

@@ -79,6 +79,47 @@ def visitors(url: str, count: int = 3) -> list[np.ndarray]:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+# Three threads make TLS contexts while the main thread forks children that each make one and exit
+# (as spaces forks a worker beside other requests' device-API clients); prints how many children hung.
+TLS_FORKS = """
+import json, os, signal, ssl, sys, threading, time
+from aot.zerogpu import fork_safe_tls_contexts
+fork_safe_tls_contexts()
+done = threading.Event()
+def make_contexts():
+    while not done.is_set():
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+for _ in range(3):
+    threading.Thread(target=make_contexts, daemon=True).start()
+hung = 0
+for _ in range(300):
+    pid = os.fork()
+    if pid == 0:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        os._exit(0)
+    deadline = time.monotonic() + 5
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.001)
+done.set()
+print(json.dumps({"forks": 300, "hung": hung}))
+"""
+
+
+def test_forks_beside_threads_making_tls_contexts_leave_no_child_hung():
+    """`zerogpu.fork_safe_tls_contexts`: no child forked while other threads make TLS contexts waits
+    forever on the lock OpenSSL's `SSL_CTX_new` held at the fork. The same script without it left 6-7 of
+    300 children hung (2-core CPU, OpenSSL 3.0, 2026-12-06), as a ZeroGPU worker hung in
+    `SSLContext.__new__` when three visitors came at once."""
+    run = subprocess.run([sys.executable, "-c", TLS_FORKS], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {"forks": 300, "hung": 0}
+
+
 def eager_image(pipe, lora: str | None = None) -> np.ndarray:
     """What `request()` should return, from an eager pipeline here (with a LoRA through peft)."""
     if lora:
