@@ -76,7 +76,7 @@ def quantize_block_(block: torch.nn.Module, granularity: str, rows: dict[str, in
         for name in eligible:
             few = rows is not None and rows.get(name, 0) <= BIAS_AFTER_GEMM_ROWS  # no captured call: unknown, so few
             if granularity == "row-after":
-                linears[name].__class__ = RowScalesAfterGEMM
+                RowScalesAfterGEMM.adopt_(linears[name])
             elif granularity == "row" and few and linears[name].bias is not None:
                 linears[name].__class__ = BiasAfterGEMM
     return len(eligible), len(linears) - len(eligible)
@@ -131,7 +131,20 @@ class RowScalesAfterGEMM(torch.nn.Linear):
     the `nn.Linear` it replaces; input (..., in_features), bf16 as torchao's row-wise weights are;
     output (..., out_features) of the input's dtype. The product is kept in bf16, whose range holds
     it (up to 448 x 448 x in_features), where fp16's would not.
+
+    The GEMM's unit scales are a buffer of the layer (`unit`, 0-d float32), bound to the package as
+    its weights are: a `torch.ones(())` in the graph is a kernel of its own before every GEMM (494 a
+    FLUX.1-dev step). Inductor turns a 0-d constant into a number and gives an extern kernel's tensor
+    argument a new constant of its own name, which no block has; `lowering.FP8_INDUCTOR_CONFIGS` keeps
+    it a tensor under its name for `row-after` packages.
     """
+
+    @classmethod
+    def adopt_(cls, layer: torch.nn.Linear) -> None:
+        """Make `layer`, a linear layer torchao quantized row-wise, this class in place, with its
+        `unit` buffer (persistent, so that `blocks.block_constants` binds it)."""
+        layer.__class__ = cls
+        layer.register_buffer("unit", torch.ones((), dtype=torch.float32, device=layer.weight.device))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8  # heavy
@@ -143,12 +156,11 @@ class RowScalesAfterGEMM(torch.nn.Linear):
         scale = _choose_scale_float8(input, block_size, kind.float8_dtype, **bounds)  # float32 (..., 1)
         scale = scale.clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero row: 0 / tiny, not 0 / 0
         data = _quantize_affine_float8(input, scale, kind.float8_dtype)
-        unit = torch.ones((), dtype=torch.float32, device=input.device)
         product = torch._scaled_mm(
             data.reshape(-1, self.in_features),
             weight.qdata.t(),
-            scale_a=unit,
-            scale_b=unit,
+            scale_a=self.unit,
+            scale_b=self.unit,
             out_dtype=torch.bfloat16,
             use_fast_accum=weight.mm_config.use_fast_accum,
         ).reshape(*input.shape[:-1], self.out_features)

@@ -34,7 +34,11 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
 # FP8 input in three kernels (GELU, a looped abs-max, the cast) instead of one. At 32 it is one again:
 # the single block took 1.599 ms against 1.794 ms at 16, where `row`'s took longer at 32 (1.605 against
 # 1.490 ms) (H100, 4,096 + 512 tokens, BENCHMARKS.md "Row-wise FP8 where cuBLAS has none").
-FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {"row-after": {"realize_opcount_threshold": 32}}
+# `always_keep_tensor_constants`: each GEMM's 0-d unit scale stays the layer's `unit` buffer, which
+# blocks bind; otherwise Inductor makes it a new constant that no block has.
+FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
+    "row-after": {"realize_opcount_threshold": 32, "always_keep_tensor_constants": True}
+}
 # The widest row a reduction keeps in registers (`persistent_rows`): FLUX's 3072 features and its
 # single block's 15360-wide `proj_out` input.
 PERSISTENT_ROW_MAX = 16384

@@ -112,12 +112,44 @@ def test_row_scales_after_the_gemm_export_as_a_per_tensor_gemm_then_the_scales(f
     (gemm,) = [n for n in nodes if n.target == torch.ops.aten._scaled_mm.default]
     scale_a, scale_b = gemm.args[2:4]
     assert scale_a.meta["val"].dim() == 0 and scale_b.meta["val"].dim() == 0
+    assert program.graph_signature.inputs_to_buffers[scale_a.name] == "unit" and scale_b is scale_a  # bound, not made
     assert len(gemm.args) < 5 or gemm.args[4] is None  # no bias in the GEMM
     after = nodes[nodes.index(gemm) :]
     assert sum(n.target == torch.ops.aten.mul.Tensor for n in after) >= 2
     assert any(n.target == torch.ops.aten.add.Tensor for n in after)
     other = _rows_of_every_scale(2, 48)
     torch.testing.assert_close(program.module()(other), layer(other), rtol=0, atol=0)
+
+
+def test_a_row_after_package_asks_for_the_layers_unit_scale_by_its_name(fp8_on_cpu):
+    """A package compiled with `FP8_INDUCTOR_CONFIGS["row-after"]` reads the GEMM's unit scales from the
+    layer's `unit` buffer, so binding the layer gives it them; with Inductor's defaults (what "row" packages
+    get) the package asks for constants of its own naming, which no block has. A CPU's AOTInductor cannot
+    compile the layer's FP8 casts, so the package holds the layer's GEMM alone, called as the layer calls
+    it; tests/test_gpu.py compiles and binds whole row-after blocks."""
+    from aot import lowering
+    from aot.runner import bind, load_runner
+
+    layer = _row_after_layer()
+
+    class GEMM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, data: torch.Tensor) -> torch.Tensor:
+            unit = self.layer.unit
+            return torch._scaled_mm(data, self.layer.weight.qdata.t(), unit, unit, out_dtype=torch.bfloat16)
+
+    gemm, data = GEMM(), torch.randn(96, 256).to(torch.float8_e4m3fn)
+    with torch.no_grad():
+        program = torch.export.export(gemm, (data,))
+    default = load_runner(lowering.compile_package(program, "row")).get_constant_fqns()
+    assert "layer.unit" not in default and len(default) == 3, default  # the weight and two made-up scalars
+    runner, constants = bind(lowering.compile_package(program, "row-after"), gemm)
+    assert sorted(constants) == ["layer.parametrizations.weight.original0", "layer.unit"]
+    assert constants["layer.unit"] is layer.unit
+    assert torch.equal(runner(data), gemm(data))
 
 
 def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
