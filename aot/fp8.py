@@ -121,13 +121,14 @@ class RowScalesAfterGEMM(torch.nn.Linear):
 
     cuBLAS has no row-wise scaled FP8 GEMM on sm_120: `torch._scaled_mm` with row-wise scales
     returns `CUBLAS_STATUS_NOT_SUPPORTED` there (pytorch#192707, #161236; sm_89 has none either).
-    This layer keeps torchao's row-wise weight (FP8 values, a float32 scale per output channel) and
+    This layer keeps torchao's row-wise weight (FP8 values, a scale per output channel) and
     torchao's activation quantization (a scale per row: its abs-max / 448), runs the GEMM with unit
     per-tensor scales, and multiplies the bf16 product by each row's and column's scale afterwards,
     where Inductor fuses the product, the bias and the cast into the kernel that reads the GEMM's
     output. Its FP8 values are row-wise FP8's; the result differs from cuBLAS's row-wise epilogue by
-    a second bf16 rounding of the product (tests/test_fp8.py and tests/test_gpu.py bound it), and an
-    all-zero row gives the bias where torchao's scale of 0 gives NaN. Same parameters and names as
+    a second bf16 rounding of the product and by the column scales' rounding to bf16 (below)
+    (tests/test_fp8.py and tests/test_gpu.py bound both), and an all-zero row gives the bias where
+    torchao's scale of 0 gives NaN. Same parameters and names as
     the `nn.Linear` it replaces; input (..., in_features), bf16 as torchao's row-wise weights are;
     output (..., out_features) of the input's dtype. The product is kept in bf16, whose range holds
     it (up to 448 x 448 x in_features), where fp16's would not.
@@ -137,19 +138,26 @@ class RowScalesAfterGEMM(torch.nn.Linear):
     FLUX.1-dev step). Inductor turns a 0-d constant into a number and gives an extern kernel's tensor
     argument a new constant of its own name, which no block has; `lowering.FP8_INDUCTOR_CONFIGS` keeps
     it a tensor under its name for `row-after` packages.
+
+    The column scales are held in bf16, not float32: the kernel after the GEMM reads all of them
+    for every row, and in bf16 FLUX.1-dev's step took 96.6 against 97.4 ms (H100, 2026-12-06,
+    BENCHMARKS.md). bf16 rounds a scale by at most 2^-9 of it, 1/32 of what e4m3 rounds a weight by
+    (2^-4).
     """
 
     @classmethod
     def adopt_(cls, layer: torch.nn.Linear) -> None:
         """Make `layer`, a linear layer torchao quantized row-wise, this class in place, with its
-        `unit` buffer (persistent, so that `blocks.block_constants` binds it)."""
+        `unit` buffer (persistent, so that `blocks.block_constants` binds it) and its weight's scales
+        in bf16 (lora.py's in-place writes cast to them)."""
         layer.__class__ = cls
         layer.register_buffer("unit", torch.ones((), dtype=torch.float32, device=layer.weight.device))
+        layer.weight.scale = layer.weight.scale.to(torch.bfloat16)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8  # heavy
 
-        weight = self.weight  # torchao's Float8Tensor: qdata (out, in) FP8, scale (out, 1) float32
+        weight = self.weight  # torchao's Float8Tensor: qdata (out, in) FP8, scale (out, 1) bf16 (`adopt_`)
         kind = weight.act_quant_kwargs  # how torchao quantizes this layer's activations
         block_size = [1] * (input.dim() - 1) + [self.in_features]  # torchao's name: one scale per row
         bounds = {"hp_value_lb": kind.hp_value_lb, "hp_value_ub": kind.hp_value_ub}

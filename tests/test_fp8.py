@@ -58,14 +58,15 @@ def test_an_unknown_granularity_is_refused_with_the_ones_allowed():
         quantize_block_(_block(), "col")
 
 
-def _row_after_layer() -> torch.nn.Linear:
-    """A layer quantized at "row-after" whose output channels' weights span four orders of magnitude
-    (one weight scale for all of them would flush the small ones)."""
+def _row_after_layer(granularity: str = "row-after") -> torch.nn.Linear:
+    """A layer quantized at `granularity` ("row-after"; "row" gives its twin with torchao's float32
+    scales) whose output channels' weights span four orders of magnitude (one weight scale for all of
+    them would flush the small ones)."""
     torch.manual_seed(0)
     layer = torch.nn.ModuleDict({"layer": torch.nn.Linear(256, 512)})
     with torch.no_grad():
         layer["layer"].weight.mul_(10.0 ** torch.linspace(-2, 2, 512).reshape(512, 1))
-    quantize_block_(layer.to(torch.bfloat16), "row-after")
+    quantize_block_(layer.to(torch.bfloat16), granularity)
     return layer["layer"]
 
 
@@ -82,17 +83,19 @@ def _rows_of_every_scale(*leading: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("leading", [(96,), (2, 96), (2, 3, 32)])
 def test_row_scales_after_the_gemm_give_row_wise_fp8s_result_on_every_row(fp8_on_cpu, leading):
-    """Against the same FP8 values dequantized by torchao and multiplied in float32: each row within
-    the output's bf16 rounding (two roundings here: the product's, then the scaled result's); the
-    zero row gives the bias."""
-    layer = _row_after_layer()
+    """Against the same FP8 values with torchao's float32 scales, dequantized by torchao and multiplied
+    in float32: each row and column within the output's bf16 rounding (two roundings here: the
+    product's, then the scaled result's) and the column scales' own (bf16); the zero row gives the bias."""
+    layer, twin = _row_after_layer(), _row_after_layer("row")
+    assert torch.equal(layer.weight.qdata, twin.weight.qdata) and layer.weight.scale.dtype == torch.bfloat16
+    assert torch.equal(layer.weight.scale, twin.weight.scale.to(torch.bfloat16))
     x = _rows_of_every_scale(*leading)
     output = layer(x)
     assert output.dtype == torch.bfloat16 and output.shape == (*leading, 512)
     output, x = output.reshape(-1, 512), x.reshape(-1, 256)
     assert torch.equal(output[0], layer.bias)
     activation = Float8Tensor.from_hp(x[1:], granularity=PerRow())  # torchao's quantization, as the layer's
-    reference = activation.dequantize().float() @ layer.weight.dequantize().float().t() + layer.bias.float()
+    reference = activation.dequantize().float() @ twin.weight.dequantize().float().t() + layer.bias.float()
     norms = reference.norm(dim=1, keepdim=True)  # each row to unit norm, so that no row outweighs the rest
     error, reference = (output[1:].float() - reference) / norms, reference / norms
     per_row, per_channel = error.norm(dim=1), error.norm(dim=0) / reference.norm(dim=0)
