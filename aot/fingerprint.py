@@ -21,8 +21,10 @@ from aot.contract import dtype_name
 from aot.resolution import Resolution
 
 # 3: contracts give each dynamic dim as image and text coefficients (contract.TensorSpec); 4: fp8 is the
-# granularity the GPU's plan kept (`options.FP8_GRANULARITIES`) or "off", per package and for the set.
-SCHEMA = 4
+# granularity the GPU's plan kept (`options.FP8_GRANULARITIES`) or "off", per package and for the set;
+# 5: `row-after` packages bind each layer's unit scale and bf16 column scales (`fp8.RowScalesAfterGEMM`),
+# which blocks quantized by earlier code lack (a field of the unquantized blocks cannot tell).
+SCHEMA = 5
 
 
 def fingerprint(
