@@ -155,6 +155,29 @@ def test_a_row_after_package_asks_for_the_layers_unit_scale_by_its_name(fp8_on_c
     assert torch.equal(runner(data), gemm(data))
 
 
+def test_a_lora_written_into_a_row_after_layer_keeps_its_scales_bf16_and_the_base_comes_back_exactly(fp8_on_cpu):
+    """lora.py writes a LoRA into an FP8 layer in place (dequantize, add, quantize again, `copy_` into
+    the layer's tensors): into a row-after layer that cast gives bf16 scales, the ones its package was
+    compiled for, and the weight is the row-wise twin's within those scales' rounding. Writing no LoRA
+    brings the base back bit for bit."""
+    from aot import lora
+    from aot.fp8 import fp8_config
+
+    torch.manual_seed(2)
+    a, b = torch.randn(4, 256) * 1e-2, torch.randn(512, 4) * 1e-2  # rank 4: A [r, in], B [out, r]
+    weights = {}
+    for granularity in ("row", "row-after"):
+        layer = _row_after_layer(granularity)
+        base = {n: t.clone() for n, t in lora.inner_tensors(layer.weight).items()}
+        lora._write(layer, base, (a, b, 2.0), fp8_config(granularity))
+        weights[granularity] = layer.weight.dequantize().float()
+        if granularity == "row-after":
+            assert layer.weight.scale.dtype == torch.bfloat16
+            lora._write(layer, base, None, fp8_config(granularity))
+            assert all(torch.equal(t, base[n]) for n, t in lora.inner_tensors(layer.weight).items())
+    torch.testing.assert_close(weights["row-after"], weights["row"], rtol=2**-8, atol=0)
+
+
 def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
     """`BiasAfterGEMM` (what `quantize_block_` makes a row-wise FP8 layer with a bias that saw few rows):
     the same result and parameter names as the `nn.Linear` it was, and its exported graph calls the GEMM
