@@ -128,9 +128,9 @@ class RowScalesAfterGEMM(torch.nn.Linear):
     output. Its FP8 values are row-wise FP8's; the result differs from cuBLAS's row-wise epilogue by
     a second bf16 rounding of the product and by the column scales' rounding to bf16 (below)
     (tests/test_fp8.py and tests/test_gpu.py bound both), and an all-zero row gives the bias where
-    torchao's scale of 0 gives NaN. Same parameters and names as
-    the `nn.Linear` it replaces, and a buffer `unit`; input (..., in_features), bf16 as torchao's row-wise weights are;
-    output (..., out_features) of the input's dtype. The product is kept in bf16, whose range holds
+    torchao's scale of 0 gives NaN. Same parameters and names as the `nn.Linear` it replaces, and a
+    buffer `unit`; input (..., in_features), bf16 as torchao's row-wise weights are; output
+    (..., out_features) of the input's dtype. The product is kept in bf16, whose range holds
     it (up to 448 x 448 x in_features), where fp16's would not.
 
     The GEMM's unit scales are a buffer of the layer (`unit`, 0-d float32), bound to the package as

@@ -35,7 +35,7 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
 # the single block took 1.599 ms against 1.794 ms at 16, where `row`'s took longer at 32 (1.605 against
 # 1.490 ms) (H100, 4,096 + 512 tokens, BENCHMARKS.md "Row-wise FP8 where cuBLAS has none").
 # `always_keep_tensor_constants`: each GEMM's 0-d unit scale stays the layer's `unit` buffer, which
-# blocks bind; otherwise Inductor makes it a new constant that no block has.
+# blocks bind (fp8.RowScalesAfterGEMM says what Inductor does without it).
 FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
     "row-after": {"realize_opcount_threshold": 32, "always_keep_tensor_constants": True}
 }
