@@ -58,7 +58,7 @@ def test_an_unknown_granularity_is_refused_with_the_ones_allowed():
         quantize_block_(_block(), "col")
 
 
-def _row_after_layer(granularity: str = "row-after") -> torch.nn.Linear:
+def _quantized_layer(granularity: str = "row-after") -> torch.nn.Linear:
     """A layer quantized at `granularity` ("row-after"; "row" gives its twin with torchao's float32
     scales) whose output channels' weights span four orders of magnitude (one weight scale for all of
     them would flush the small ones)."""
@@ -86,7 +86,7 @@ def test_row_scales_after_the_gemm_give_row_wise_fp8s_result_on_every_row(fp8_on
     """Against the same FP8 values with torchao's float32 scales, dequantized by torchao and multiplied
     in float32: each row and column within the output's bf16 rounding (two roundings here: the
     product's, then the scaled result's) and the column scales' own (bf16); the zero row gives the bias."""
-    layer, twin = _row_after_layer(), _row_after_layer("row")
+    layer, twin = _quantized_layer(), _quantized_layer("row")
     assert torch.equal(layer.weight.qdata, twin.weight.qdata) and layer.weight.scale.dtype == torch.bfloat16
     assert torch.equal(layer.weight.scale, twin.weight.scale.to(torch.bfloat16))
     x = _rows_of_every_scale(*leading)
@@ -107,7 +107,7 @@ def test_row_scales_after_the_gemm_export_as_a_per_tensor_gemm_then_the_scales(f
     runs on sm_120; the row and column scales and the bias come after it, where Inductor fuses them into
     the next kernel. The exported program gives the eager layer's result at a token count it was not
     traced with."""
-    layer = _row_after_layer()
+    layer = _quantized_layer()
     x = _rows_of_every_scale(2, 96)
     with torch.no_grad():
         program = torch.export.export(layer, (x,), dynamic_shapes=({1: torch.export.Dim("tokens", min=16, max=4096)},))
@@ -133,7 +133,7 @@ def test_a_row_after_package_asks_for_the_layers_unit_scale_by_its_name(fp8_on_c
     from aot import lowering
     from aot.runner import bind, load_runner
 
-    layer = _row_after_layer()
+    layer = _quantized_layer()
 
     class GEMM(torch.nn.Module):
         def __init__(self) -> None:
@@ -165,17 +165,16 @@ def test_a_lora_written_into_a_row_after_layer_keeps_its_scales_bf16_and_the_bas
 
     torch.manual_seed(2)
     a, b = torch.randn(4, 256) * 1e-2, torch.randn(512, 4) * 1e-2  # rank 4: A [r, in], B [out, r]
-    weights = {}
-    for granularity in ("row", "row-after"):
-        layer = _row_after_layer(granularity)
-        base = {n: t.clone() for n, t in lora.inner_tensors(layer.weight).items()}
-        lora._write(layer, base, (a, b, 2.0), fp8_config(granularity))
-        weights[granularity] = layer.weight.dequantize().float()
-        if granularity == "row-after":
-            assert layer.weight.scale.dtype == torch.bfloat16
-            lora._write(layer, base, None, fp8_config(granularity))
-            assert all(torch.equal(t, base[n]) for n, t in lora.inner_tensors(layer.weight).items())
-    torch.testing.assert_close(weights["row-after"], weights["row"], rtol=2**-8, atol=0)
+    layers = {granularity: _quantized_layer(granularity) for granularity in ("row", "row-after")}
+    bases = {g: {n: t.clone() for n, t in lora.inner_tensors(layer.weight).items()} for g, layer in layers.items()}
+    for granularity, layer in layers.items():
+        lora._write(layer, bases[granularity], (a, b, 2.0), fp8_config(granularity))
+    after = layers["row-after"]
+    assert after.weight.scale.dtype == torch.bfloat16
+    weight, twin = after.weight.dequantize().float(), layers["row"].weight.dequantize().float()
+    torch.testing.assert_close(weight, twin, rtol=2**-8, atol=0)
+    lora._write(after, bases["row-after"], None, fp8_config("row-after"))
+    assert all(torch.equal(t, bases["row-after"][n]) for n, t in lora.inner_tensors(after.weight).items())
 
 
 def test_a_row_wise_layer_adds_its_bias_after_its_gemm():
