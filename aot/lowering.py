@@ -2,8 +2,8 @@
 
 Three changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
 the settings in `INDUCTOR_CONFIGS` (and `FP8_INDUCTOR_CONFIGS` over them, per FP8 granularity), one
-heuristic in `persistent_rows`, and tanh-approximated GELU written with a sigmoid
-(`gelu_tanh_as_sigmoid`) before Inductor lowers the graph.
+heuristic in `persistent_rows`, and tanh-approximated GELU computed with the GPU's own tanh
+instruction (`gelu_tanh_approx`, `tanh_approx`) before Inductor lowers the graph.
 """
 
 from __future__ import annotations
@@ -44,29 +44,68 @@ FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
 PERSISTENT_ROW_MAX = 16384
 # sqrt(2 / pi): the constant of GELU's tanh approximation (torch.nn.GELU's docs).
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+# PTX's tanh.approx.f32: at most 2^-10.987 relative error over its whole range, subnormals flushed to 0
+# (PTX ISA, "tanh"); sm_75 and later.
+TANH_APPROX_PTX = "tanh.approx.f32 $0, $1;"
 
 
-def gelu_tanh_as_sigmoid(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+@torch.library.custom_op("aot_lowering::tanh_approx", mutates_args=())
+def tanh_approx(x: torch.Tensor) -> torch.Tensor:
+    """tanh(x) where the package may compute it to 2^-11 of itself: any shape and float dtype, same
+    shape and dtype out. Eager it is `torch.tanh`. In a package compiled for an NVIDIA GPU
+    (`compile_package`), Inductor computes it in float32 with one `TANH_APPROX_PTX` instruction inside
+    whichever kernel it fuses into; float64 and other devices get Inductor's own tanh
+    (`_lower_tanh_approx`)."""
+    return torch.tanh(x)
+
+
+@tanh_approx.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def gelu_tanh_approx(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """`aten.gelu(x, approximate="tanh")`, 0.5 x (1 + tanh(z)) with z = sqrt(2/pi) (x + 0.044715 x^3),
-    written as x sigmoid(2z): the same function, since 1 + tanh(z) = 2 sigmoid(2z). Any shape;
-    computed in float32 (float64 stays float64) and returned in x's dtype.
+    torch's own formula, with its tanh a `tanh_approx`. Any shape; computed in float32 (float64
+    stays float64) and returned in x's dtype.
 
-    Inductor lowers tanh to libdevice's tanhf and sigmoid to one `exp2`. FLUX's single block
-    computes this GELU in the kernel that also quantizes `proj_out`'s 15360-wide input rows to FP8,
-    and tanhf made that kernel compute-bound: 175 us against 140 us with the sigmoid, at
-    4608 x (3072 + 12288) on an H100, with 6e-5 of the FP8 bytes differing (BENCHMARKS.md, "GELU as
-    a sigmoid").
+    FLUX's blocks compute this GELU in the kernels that also quantize the next GEMM's input rows to
+    FP8, and its tanh sets their pace: in FLUX.1-dev's step on an H100 the single block's `proj_out`
+    input kernel took 102 us a call against 130 us with the GELU as x sigmoid(2z) (one `exp2`, one
+    division) and 175 us with libdevice's tanhf; the step 86.4 against 87.4 ms (BENCHMARKS.md, "GELU
+    with the GPU's tanh").
 
     Returns NotImplemented for the exact (erf) GELU, which a decomposition table then leaves as it is.
     """
     if approximate != "tanh":
         return NotImplemented
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xf * torch.sigmoid(2 * SQRT_2_OVER_PI * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
+    return (0.5 * xf * (1 + tanh_approx(SQRT_2_OVER_PI * (xf + 0.044715 * xf * xf * xf)))).to(x.dtype)
 
 
 # The decompositions `compile_package` runs on every exported program before Inductor sees it.
-DECOMPOSITIONS = {torch.ops.aten.gelu.default: gelu_tanh_as_sigmoid}
+DECOMPOSITIONS = {torch.ops.aten.gelu.default: gelu_tanh_approx}
+
+
+@functools.cache
+def _lower_tanh_approx() -> None:
+    """Teach Inductor `tanh_approx`: on CUDA (not ROCm) `TANH_APPROX_PTX` on the value as float32, a
+    pointwise op it fuses like any other; float64, and any other device, Inductor's own tanh. Once a
+    process."""
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import ops
+
+    ptx = lowering.make_pointwise(
+        functools.partial(
+            ops.inline_asm_elementwise, asm=TANH_APPROX_PTX, constraints="=r,r", dtype=torch.float32, pack=1
+        )
+    )
+
+    @lowering.register_lowering(torch.ops.aot_lowering.tanh_approx.default, type_promotion_kind=None)
+    def _(x: Any) -> Any:
+        if x.get_device().type != "cuda" or torch.version.hip or x.get_dtype() == torch.float64:
+            return lowering.lowerings[torch.ops.aten.tanh.default](x)
+        return lowering.to_dtype(ptx(lowering.to_dtype(x, torch.float32)), x.get_dtype())
 
 
 @functools.cache
@@ -80,8 +119,8 @@ def persistent_rows() -> Any:
 
     Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, FLUX.1-dev's step
     took 93.7-94.0 against 95.0-95.4 ms and FLUX.2 klein's 39.8 against 40.9 ms. Up to 16384, the
-    single block's GELU + abs-max + cast kernel takes 122 against 140 us once its GELU is a sigmoid
-    (`gelu_tanh_as_sigmoid`); with tanhf, the wider limit made it slower.
+    single block's GELU + abs-max + cast kernel took 122 against 140 us with its GELU as a sigmoid
+    (before `gelu_tanh_approx`); with tanhf, the wider limit made it slower.
     """
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
@@ -130,6 +169,7 @@ def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = No
     """
     from torch._inductor.virtualized import V
 
+    _lower_tanh_approx()
     exported = decomposed(exported)
     settings = {**INDUCTOR_CONFIGS, **FP8_INDUCTOR_CONFIGS.get(fp8, {})}
     settings["aot_inductor.model_name_for_generated_files"] = f"block_{uuid.uuid4().hex}"
