@@ -44,8 +44,9 @@ FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
 PERSISTENT_ROW_MAX = 16384
 # sqrt(2 / pi): the constant of GELU's tanh approximation (torch.nn.GELU's docs).
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-# PTX's tanh.approx.f32: at most 2^-10.987 relative error over its whole range, subnormals flushed to 0
-# (PTX ISA, "tanh"); sm_75 and later.
+# PTX's tanh.approx.f32, sm_75 and later: at most 2^-11 relative error over the whole float range,
+# subnormal inputs passed through (PTX ISA 9.1, "Floating Point Instructions: tanh"); measured at most
+# 1.1e-5 (NVIDIA's developer forums, "Hardware-accelerated tanh() on Turing").
 TANH_APPROX_PTX = "tanh.approx.f32 $0, $1;"
 
 

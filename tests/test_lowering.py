@@ -1,6 +1,5 @@
 """aot/lowering.py on the CPU: the heuristic and the decomposition every package compiles with."""
 
-
 import sympy
 import torch
 import torch.nn.functional as F
@@ -63,7 +62,7 @@ def test_the_tanh_gelu_is_torchs_own_formula_with_tanh_as_an_op_of_its_own():
         assert out.dtype == dtype
         assert torch.allclose(out, F.gelu(x.to(dtype), approximate="tanh"), rtol=torch.finfo(dtype).eps, atol=2e-7)
     assert gelu_tanh_approx(x) is NotImplemented  # the exact (erf) GELU is left as it is
-    # The op: any shape and dtype, traced by export as itself.
+    # The op itself, eager: torch.tanh, any shape.
     assert lowering.tanh_approx(x.view(2, -1)).shape == (2, x.numel() // 2)
     assert torch.equal(lowering.tanh_approx(x), torch.tanh(x))
 
