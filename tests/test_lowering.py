@@ -62,9 +62,12 @@ def test_the_tanh_gelu_is_torchs_own_formula_with_tanh_as_an_op_of_its_own():
         assert out.dtype == dtype
         assert torch.allclose(out, F.gelu(x.to(dtype), approximate="tanh"), rtol=torch.finfo(dtype).eps, atol=2e-7)
     assert gelu_tanh_approx(x) is NotImplemented  # the exact (erf) GELU is left as it is
-    # The op itself, eager: torch.tanh, any shape.
+    # The op itself, eager: torch.tanh, any shape and dtype, and its fake (what export traces) agrees.
     assert lowering.tanh_approx(x.view(2, -1)).shape == (2, x.numel() // 2)
     assert torch.equal(lowering.tanh_approx(x), torch.tanh(x))
+    for sample in (x.bfloat16(), torch.arange(-3, 4)):
+        torch.library.opcheck(lowering.tanh_approx, (sample,))
+    assert lowering.tanh_approx(torch.arange(-3, 4)).dtype == torch.get_default_dtype()
 
 
 def test_decomposed_rewrites_tanh_gelus_only_and_keeps_the_programs_weights_and_inputs():
