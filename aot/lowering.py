@@ -62,7 +62,7 @@ def tanh_approx(x: torch.Tensor) -> torch.Tensor:
 
 @tanh_approx.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype())
+    return torch.tanh(x)  # on fake tensors: torch's own shape and dtype rule, no data
 
 
 def gelu_tanh_approx(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
