@@ -4,6 +4,8 @@ A CUDA graph's check replay compares the replay with the step it was captured fr
 gives NaN fails it (NaN is never equal to itself) and the benchmark reports graphs that cannot run.
 """
 
+import argparse
+
 import pytest
 import torch
 from test_host_copies import FOLDERS, first_step
@@ -53,6 +55,33 @@ def test_a_kernel_is_counted_as_what_it_computes(name, kind):
     without the package's name in front (names from the H200's profiles, 2026-12-04, as the bench
     prints them: cut at 90 characters)."""
     assert bench.kernel_kind(name) == kind
+
+
+def test_the_time_between_gpu_operations_is_split_out_with_the_memsets():
+    """`timeline` over a replay's GPU operations (name, start us, end us): the gaps between them, and
+    what each memset costs with the gaps on both sides (cuBLASLt's 4-byte memset before a GEMM: 1.37,
+    0.74 and 3.53 us in the H200's replay, BENCHMARKS.md section (e))."""
+    events = [
+        ("block_x_triton_per_fused_amax_0", 0.0, 10.0),
+        ("Memset (Unknown)", 11.0, 12.0),
+        ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_bias_TNT", 15.0, 30.0),
+        ("block_x_triton_poi_fused_add_1", 30.5, 40.0),
+    ]
+    assert bench.timeline(events) == pytest.approx(
+        {"span_ms": 0.040, "busy_ms": 0.0355, "between_ms": 0.0045, "memsets": 1, "memset_ms": 0.005}
+    )
+    assert bench.timeline(events[2:])["memsets"] == 0
+    with pytest.raises(ValueError, match="no GPU operations"):
+        bench.timeline([])
+    rows = [
+        {"scenario": "eager", "step_ms": 174.8, "ready_s": None, "cold": None, "s_per_image": 1.5},
+        {"scenario": "all", "step_ms": 85.5, "ready_s": 26.2, "cold": True, "s_per_image": 0.8, "replay": {
+            "span_ms": 83.2, "busy_ms": 81.0, "between_ms": 2.2, "memsets": 324, "memset_ms": 1.8}},
+    ]
+    args = argparse.Namespace(family=None, model=bench.RANDOM, size=1024, steps=8, layers=None, heads=None,
+                              reference=False)
+    assert ("all graphed step: GPU busy 81.0 ms, 2.2 ms between its operations (1.8 ms at 324 memsets), "
+            "2.3 ms of the step before the first or after the last") in bench.table(rows, args)
 
 
 def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):

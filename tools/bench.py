@@ -373,9 +373,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS.items() if any(m in lower for m in marks)), "other")
 
 
-def kernel_ms(fn) -> tuple[dict[str, float], dict[str, list[str]]] | None:
-    """GPU time of one call of `fn()` by `kernel_kind` (ms, from torch.profiler's CUDA kernel and
-    copy events), and each kind's three longest kernels ("name ms"); None without CUDA."""
+def device_events(fn) -> list[tuple[str, float, float]] | None:
+    """One steady call of `fn()` (after a warm-up call) under torch.profiler: its GPU operations
+    (kernels, memsets, copies) as (name, start us, end us), in start order; None without CUDA. In a
+    CUDA graph's replay the profiler sees each of the graph's operations."""
     if not torch.cuda.is_available():
         return None
     fn()  # warm: the profile holds one steady call
@@ -384,19 +385,55 @@ def kernel_ms(fn) -> tuple[dict[str, float], dict[str, list[str]]] | None:
     with torch.profiler.profile(activities=activities) as prof:
         fn()
         sync()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1])
+
+
+def kernel_ms(fn) -> tuple[dict[str, float], dict[str, list[str]]] | None:
+    """GPU time of one call of `fn()` by `kernel_kind` (ms, from `device_events`), and each kind's
+    three longest kernels ("name ms"); None without CUDA."""
+    events = device_events(fn)
+    if events is None:
+        return None
     totals = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
     longest: dict[str, dict[str, float]] = {kind: {} for kind in totals}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        kind, ms = kernel_kind(event.name), event.time_range.elapsed_us() / 1e3
+    for name, start, end in events:
+        kind, ms = kernel_kind(name), (end - start) / 1e3
         totals[kind] += ms
-        longest[kind][event.name] = longest[kind].get(event.name, 0.0) + ms
+        longest[kind][name] = longest[kind].get(name, 0.0) + ms
     top = {
         kind: [f"{name[:90]} {ms:.2f}" for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:3]]
         for kind, names in longest.items()
     }
     return totals, top
+
+
+def timeline(events: list[tuple[str, float, float]]) -> dict[str, float | int]:
+    """Where the GPU's time goes in a series of GPU operations (name, start us, end us; in start
+    order, as `device_events` gives them), in ms: `span_ms` from the first start to the last end,
+    `busy_ms` their durations, `between_ms` the rest, and `memsets` (a count) with `memset_ms`, the
+    memsets' durations and the gaps on both sides of each. cuBLASLt launches a 4-byte memset before
+    some of its GEMMs, and a CUDA graph leaves 3.5 us after it against 0.4 us between two kernels
+    (H200, BENCHMARKS.md section (e)). Raises `ValueError` for no events."""
+    if not events:
+        raise ValueError("timeline: no GPU operations were recorded")
+    busy = sum(end - start for _, start, end in events)
+    span = events[-1][2] - events[0][1]
+    memsets, memset_us = 0, 0.0
+    for i, (name, start, end) in enumerate(events):
+        if "memset" not in name.lower():
+            continue
+        memsets += 1
+        before = start - events[i - 1][2] if i else 0.0
+        after = events[i + 1][1] - end if i + 1 < len(events) else 0.0
+        memset_us += max(before, 0.0) + (end - start) + max(after, 0.0)
+    return {
+        "span_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "between_ms": (span - busy) / 1e3,
+        "memsets": memsets,
+        "memset_ms": memset_us / 1e3,
+    }
 
 
 def sync() -> None:
@@ -468,6 +505,10 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
                 other = {**kwargs, **{n: torch.randn_like(kwargs[n]) for n in changed}}
                 row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
                 row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
+                try:  # as the kernels above: the profile explains the step and must not lose it
+                    row["replay"] = timeline(device_events(lambda: graphed(**kwargs)))
+                except Exception as exc:
+                    row["replay_error"] = f"{type(exc).__name__}: {exc}"
             else:
                 row["graphs_failed"] = graphed.failed or "the step inputs were refused (graphs._key)"
                 unpatch_forward(pipe.transformer, GraphedStep)
@@ -918,6 +959,13 @@ def table(rows: list[dict], args) -> str:
                 f"{row['scenario']} kernels of one plain step: attention {ms['attention']:.1f} ms, GEMM "
                 f"{ms['gemm']:.1f} ms, other {ms['other']:.1f} ms ({sum(ms.values()):.1f} ms of its "
                 f"{row.get('step_ms_no_graphs', row['step_ms']):.1f} ms)"
+            )
+        if row.get("replay"):
+            replay = row["replay"]
+            notes.append(
+                f"{row['scenario']} graphed step: GPU busy {replay['busy_ms']:.1f} ms, {replay['between_ms']:.1f} ms "
+                f"between its operations ({replay['memset_ms']:.1f} ms at {replay['memsets']} memsets), "
+                f"{row['step_ms'] - replay['span_ms']:.1f} ms of the step before the first or after the last"
             )
         for block, meta in row.get("blocks", {}).items():
             notes.append(
