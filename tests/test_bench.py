@@ -5,6 +5,7 @@ gives NaN fails it (NaN is never equal to itself) and the benchmark reports grap
 """
 
 import argparse
+import time
 
 import pytest
 import torch
@@ -82,6 +83,32 @@ def test_the_time_between_gpu_operations_is_split_out_with_the_memsets():
                               reference=False)
     assert ("all graphed step: GPU busy 81.0 ms, 2.2 ms between its operations (1.8 ms at 324 memsets), "
             "2.3 ms of the step before the first or after the last") in bench.table(rows, args)
+
+
+def test_queued_steps_are_timed_back_to_back_and_shown_against_eager_queued():
+    """`queued_ms` times `calls` calls with no sync between them, after one warm-up run of them; on
+    this CPU machine with a host clock (a call that sleeps 2 ms takes at least 2 ms a call). The
+    table gives each row's queued step and eager's queued step over it."""
+    count = []
+
+    def step():
+        count.append(1)
+        time.sleep(0.002)
+
+    assert 2.0 <= bench.queued_ms(step, calls=4, repeat=3) < 20.0
+    assert len(count) == 4 * (3 + 1)
+    rows = [
+        {"scenario": "eager", "step_ms": 174.8, "step_ms_queued": 172.0, "ready_s": None, "cold": None,
+         "s_per_image": 1.5},
+        {"scenario": "all", "step_ms": 85.5, "step_ms_queued": 83.2, "ready_s": 26.2, "cold": True,
+         "s_per_image": 0.8},
+        {"scenario": "no-graphs", "step_ms": 87.6, "ready_s": 26.2, "cold": True, "s_per_image": 0.8},
+    ]
+    args = argparse.Namespace(family=None, model=bench.RANDOM, size=1024, steps=8, layers=None, heads=None,
+                              reference=False)
+    text = bench.table(rows, args)
+    assert "| all | 85.5 | 2.04x | 83.2 (2.07x) | - |" in text
+    assert "| no-graphs | 87.6 | 2.00x | - | - |" in text
 
 
 def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):

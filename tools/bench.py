@@ -8,6 +8,8 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     step ms      median of the transformer's forward (CUDA events, after warm-up), as the template
                  runs it: compiled scenarios on CUDA replay it as a CUDA graph (graphs.py)
     speedup      eager step ms / step ms, eager measured in this run
+    steps queued the step's ms with 8 calls queued back to back, as a pipeline calls them (the host
+                 prepares the next while the GPU runs this one), and eager's queued ms / it
     without CUDA graphs   the same compiled step called plainly, and the graph replay's relative
                  error against it on inputs other than the captured ones
     s / image    one generation: text encoders + all steps + VAE decode (warm: + writing the PNG
@@ -351,6 +353,31 @@ def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
     return statistics.median(times)
 
 
+def queued_ms(fn, calls: int = 8, repeat: int = 5) -> float:
+    """Milliseconds a call of `fn()` when `calls` of them run back to back, as a pipeline calls its
+    steps: the host queues the next call while the GPU runs this one, so host work that fits under
+    the GPU's time is hidden (`median_ms` synchronizes around every call and shows it). The median
+    over `repeat` runs of `calls` calls, after one such run to warm up; CUDA events on a GPU, a
+    synchronized host clock elsewhere."""
+    times = []
+    for _ in range(repeat + 1):
+        sync()
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            begin = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - begin) * 1e3 / calls)
+    return statistics.median(times[1:])
+
+
 # Kernel names by what they compute, checked in this order (the names CUDA's profiler gives on the
 # H200: FA3 `flash::FlashAttnFwdSm90`, cuDNN's SDPA `cudnn_generated_fort_native_sdpa_sm90_flash_fprop`,
 # cuBLAS `nvjet_*` / `sm90_xmma_gemm_*`, CUTLASS `cutlass::device_kernel`, Inductor's Triton
@@ -496,6 +523,8 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
         row["kernels_ms"], row["top_kernels"] = kernels
     if row["scenario"] not in PEERS:  # forward hooks: they need plain steps, not torch.compile's regions
         row["block_ms"] = block_ms(pipe, args.size)
+    with torch.no_grad():
+        row["step_ms_queued"] = queued_ms(lambda: pipe.transformer(**kwargs))
     if graphs:
         graphed = graph_step_(pipe.transformer)
         with torch.no_grad():
@@ -505,6 +534,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
                 other = {**kwargs, **{n: torch.randn_like(kwargs[n]) for n in changed}}
                 row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
                 row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
+                row["step_ms_queued"] = queued_ms(lambda: graphed(**kwargs))
                 try:  # as the kernels above: the profile explains the step and must not lose it
                     row["replay"] = timeline(device_events(lambda: graphed(**kwargs)))
                 except Exception as exc:
@@ -930,14 +960,14 @@ def table(rows: list[dict], args) -> str:
         + (f", {args.layers} layer(s) per stack" if args.layers is not None else "")
         + (f", {args.heads} head(s)" if args.heads is not None else "")
         + (", with a reference image" if args.reference else ""),
-        "| scenario | step ms | speedup | without CUDA graphs | s / image | ready s | ISA probe s | peak GiB "
-        "| rel. error vs eager |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scenario | step ms | speedup | steps queued | without CUDA graphs | s / image | ready s | ISA probe s "
+        "| peak GiB | rel. error vs eager |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} ||||||||")
+            lines.append(f"| {row['scenario']} | failed: {row['error'][:200]} |||||||||")
             continue
         row["speedup"] = eager["step_ms"] / row["step_ms"]
         plain = row.get("step_ms_no_graphs")
@@ -945,12 +975,15 @@ def table(rows: list[dict], args) -> str:
             plain = f"graphs failed: {row['graphs_failed'][:80]}"
         elif plain is not None:
             plain = f"{plain:.1f} ({eager['step_ms'] / plain:.2f}x; replay error {row['graph_rel_error']:.0e})"
+        queued = row.get("step_ms_queued")
+        if queued is not None and eager.get("step_ms_queued"):
+            queued = f"{queued:.1f} ({eager['step_ms_queued'] / queued:.2f}x)"
         ready = "-" if row["ready_s"] is None else f"{row['ready_s']:.1f}{'' if row['cold'] in (True, None) else '*'}"
         probe = "-" if row.get("isa_probe_s") is None else f"{row['isa_probe_s']:.1f}"
         peak = "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
         error = "-" if row.get("rel_error") is None else f"{row['rel_error']:.1e}"
         lines.append(
-            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {plain or '-'} "
+            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {queued or '-'} | {plain or '-'} "
             f"| {row['s_per_image']:.2f} | {ready} | {probe} | {peak} | {error} |"
         )
         if row.get("kernels_ms"):
