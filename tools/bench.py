@@ -22,6 +22,9 @@ Space start), and the groups run one after another on the same GPU. Per scenario
     peak GiB     peak allocated GPU memory during that generation
     kernels      where one plain step's GPU time goes (CUDA only, torch.profiler): attention, GEMM and
                  other kernels' ms by kernel name (`kernel_kind`); the rest of the step is time between kernels
+    graphed step one CUDA graph replay under torch.profiler (`timeline`): the GPU's busy time, the time
+                 between its operations and the part of it at memsets; the profiler slows the replay, so
+                 its span is not the step's time
     rel. error   ||latents - eager latents|| / ||eager latents|| after all steps, same seed
 
 `warm` is the Space itself: app.py started with the packages `all` saved (AOT_LOAD), then
@@ -996,9 +999,9 @@ def table(rows: list[dict], args) -> str:
         if row.get("replay"):
             replay = row["replay"]
             notes.append(
-                f"{row['scenario']} graphed step: GPU busy {replay['busy_ms']:.1f} ms, {replay['between_ms']:.1f} ms "
-                f"between its operations ({replay['memset_ms']:.1f} ms at {replay['memsets']} memsets), "
-                f"{row['step_ms'] - replay['span_ms']:.1f} ms of the step before the first or after the last"
+                f"{row['scenario']} graphed step under the profiler: GPU busy {replay['busy_ms']:.1f} ms, "
+                f"{replay['between_ms']:.1f} ms between its operations ({replay['memset_ms']:.1f} ms at "
+                f"{replay['memsets']} memsets)"
             )
         for block, meta in row.get("blocks", {}).items():
             notes.append(
