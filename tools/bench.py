@@ -336,49 +336,41 @@ def step_inputs(pipe, size: int) -> dict:
     return calls["transformer"][1]
 
 
+def elapsed_ms(fn) -> float:
+    """Milliseconds of one `fn()` from a synchronized start: CUDA events on a GPU, a synchronized host
+    clock elsewhere."""
+    sync()
+    if not torch.cuda.is_available():
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def median_ms(fn, warmup: int = 3, repeat: int = 15) -> float:
-    """Median milliseconds of `fn()`: CUDA events on a GPU, a synchronized host clock elsewhere."""
+    """Median milliseconds of `fn()` (`elapsed_ms`) after `warmup` calls."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+    return statistics.median(elapsed_ms(fn) for _ in range(repeat))
 
 
 def queued_ms(fn, calls: int = 8, repeat: int = 5) -> float:
     """Milliseconds a call of `fn()` when `calls` of them run back to back, as a pipeline calls its
     steps: the host queues the next call while the GPU runs this one, so host work that fits under
     the GPU's time is hidden (`median_ms` synchronizes around every call and shows it). The median
-    over `repeat` runs of `calls` calls, after one such run to warm up; CUDA events on a GPU, a
-    synchronized host clock elsewhere."""
-    times = []
-    for _ in range(repeat + 1):
-        sync()
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        else:
-            begin = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - begin) * 1e3 / calls)
-    return statistics.median(times[1:])
+    over `repeat` runs of `calls` calls (`elapsed_ms`), after one such run to warm up."""
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    run()
+    return statistics.median(elapsed_ms(run) / calls for _ in range(repeat))
 
 
 # Kernel names by what they compute, checked in this order (the names CUDA's profiler gives on the
