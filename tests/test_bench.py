@@ -111,6 +111,40 @@ def test_queued_steps_are_timed_back_to_back_and_shown_against_eager_queued():
     assert "| no-graphs | 87.6 | 2.00x | - | - |" in text
 
 
+def test_a_variant_runs_its_scenario_in_a_process_with_its_settings(tmp_path, monkeypatch):
+    """`all@VAR=VALUE@...` is `all` with those environment variables in its group's process, over the
+    bench's own (its compile caches apart from the plain `all`'s); malformed settings and variants of
+    the scenarios that cannot have one are refused before anything runs."""
+    assert bench.variant("all") == ("all", {})
+    assert bench.variant("all@CUBLASLT_WORKSPACE_SIZE=0@AOT_FP8=off") == (
+        "all", {"CUBLASLT_WORKSPACE_SIZE": "0", "AOT_FP8": "off"})
+    assert bench.variant("peer@X=") == ("peer", {"X": ""})
+    monkeypatch.setenv("AOT_FP8", "on")
+    env = bench.group_env(["all@AOT_FP8=off"], str(tmp_path))
+    assert env["AOT_FP8"] == "off"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] != bench.group_env(["all"], str(tmp_path))["TORCHINDUCTOR_CACHE_DIR"]
+    assert bench.group_env(["all"], str(tmp_path))["AOT_FP8"] == "on"
+    for spec, reason in [
+        ("all@CUBLASLT_WORKSPACE_SIZE", "is not NAME=VALUE"),
+        ("all@1X=0", "is not NAME=VALUE"),
+        ("warm@X=1", "a variant .* is of one of eager, aot"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            bench.variant(spec)
+    for scenarios in ["eager,warm@X=1", "eager,nothing@X=1", "all@X=1"]:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--scenarios", scenarios, "--results", ""])
+        assert exit_.value.code == 2
+    # The settings reach the group's process: there PYTHONPATH names an empty folder, not the
+    # repository a plain group's names first, so its worker cannot import the engine, and the row says so.
+    assert bench.group_env(["eager"], str(tmp_path))["PYTHONPATH"].startswith(str(bench.ROOT))
+    args = argparse.Namespace(model=bench.RANDOM, size=256, steps=1, work=str(tmp_path), family=None, layers=None,
+                              heads=None, reference=False)
+    (row,) = bench.run_group([f"eager@PYTHONPATH={tmp_path}"], args, tmp_path)
+    assert row["scenario"] == f"eager@PYTHONPATH={tmp_path}"
+    assert "No module named 'aot'" in row["error"]
+
+
 def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):
     """`wait_for_idle_gpu` polls nvidia-smi until the GPU's memory in use falls below `IDLE_MIB`.
 

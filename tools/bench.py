@@ -35,6 +35,9 @@ gradio_client: the first request on a new worker, warm requests, and the step as
 `peer` and `peer-tensor` are what a diffusers user would write instead (`compile_like_diffusers`:
 torchao FP8 per row or per tensor, FA3 through diffusers' dispatcher, `compile_repeated_blocks`);
 ready s is their first step, where torch.compile compiles; they run on CUDA only (FA3, FP8).
+A variant, `SCENARIO@VAR=VALUE[@VAR=VALUE...]` (e.g. `all@CUBLASLT_WORKSPACE_SIZE=0`), runs that
+scenario in a process of its own with those environment variables set, after the other groups: an A/B of
+an engine option (AOT_*), an Inductor or a CUDA library setting against the same eager row.
 It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last, and appends
 that line to benchmarks/results.jsonl (`--results`).
 
@@ -150,10 +153,36 @@ GROUPS += [["zerogpu"], ["zerogpu-eager"], ["lora"], ["peer"], ["peer-tensor"]]
 # (`compile_like_diffusers`): FP8 per row as ours, and per tensor (flux-fast's and flux-fp8-api's recipe).
 PEERS = {"peer": "row", "peer-tensor": "tensor"}
 ZEROGPU = ("zerogpu", "zerogpu-eager")  # the Space in ZeroGPU mode, compiled (everything auto) and eager
+# A `--scenarios` entry may be a variant of one of these: `all@CUBLASLT_WORKSPACE_SIZE=0@AOT_FP8=off` runs
+# `all` in a process of its own with those environment variables set (`variant`): an A/B of any setting,
+# in one run, against one eager row.
+VARIANT_OF = (*SCENARIOS, *PEERS)
 # The `lora` scenario's LoRA: rank 16 on the block layers the family row names (`lora_targets`).
 LORA_RANK = 16
 PROMPTS = ["a photo of a red fox in fresh snow, morning light", "an isometric pixel-art lighthouse at dusk"]
 RANDOM = "random-flux-dev"
+
+
+def variant(spec: str) -> tuple[str, dict[str, str]]:
+    """The scenario of a `--scenarios` entry and the environment variables its variant sets:
+    "all" -> ("all", {}); "all@CUBLASLT_WORKSPACE_SIZE=0" -> ("all", {"CUBLASLT_WORKSPACE_SIZE": "0"}).
+    A value cannot hold a comma or "@" (they separate entries and settings).
+
+    Raises:
+        ValueError: a setting that is not NAME=VALUE (NAME letters, digits and underscores, not
+            starting with a digit), or settings on a scenario not in `VARIANT_OF` (warm, zerogpu and
+            lora measure what an earlier group or the harness made, in processes of their own).
+    """
+    name, *settings = spec.split("@")
+    env = {}
+    for setting in settings:
+        key, equals, value = setting.partition("=")
+        if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"{spec}: {setting!r} is not NAME=VALUE (an environment variable and its value)")
+        env[key] = value
+    if env and name not in VARIANT_OF:
+        raise ValueError(f"{spec}: a variant (SCENARIO@VAR=VALUE) is of one of {', '.join(VARIANT_OF)}")
+    return name, env
 
 
 def random_transformer(device: str) -> torch.nn.Module:
@@ -516,7 +545,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
             kernels, row["kernels_error"] = None, f"{type(exc).__name__}: {exc}"
     if kernels:
         row["kernels_ms"], row["top_kernels"] = kernels
-    if row["scenario"] not in PEERS:  # forward hooks: they need plain steps, not torch.compile's regions
+    if variant(row["scenario"])[0] not in PEERS:  # forward hooks: they need plain steps, not torch.compile's regions
         row["block_ms"] = block_ms(pipe, args.size)
     with torch.no_grad():
         row["step_ms_queued"] = queued_ms(lambda: pipe.transformer(**kwargs))
@@ -611,15 +640,16 @@ def worker(names: list[str], args) -> None:
     compiles = 0
     for name in names:
         row = {"scenario": name, "ready_s": None, "cold": None, "decisions": []}
+        scenario = variant(name)[0]  # its settings are this process's environment (run_group)
         try:
-            if name in PEERS:
-                row["ready_s"], row["cold"] = compile_like_diffusers(pipe, PEERS[name], args.size), True
-            elif SCENARIOS[name] is not None:
+            if scenario in PEERS:
+                row["ready_s"], row["cold"] = compile_like_diffusers(pipe, PEERS[scenario], args.size), True
+            elif SCENARIOS[scenario] is not None:
                 for block in pipe.transformer.modules():  # back to eager blocks, same weights
                     unpatch_forward(block)
                 # graphs are applied in `measure`, after the per-block timing (which needs plain steps)
-                options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[name])
-                if name == "all":
+                options = dataclasses.replace(Options.from_env(), cuda_graphs="off", **SCENARIOS[scenario])
+                if name == "all":  # warm loads them; a variant's packages are not saved
                     options = dataclasses.replace(options, save=str(work / "packages"))
                 if portability.needs_probe(pipe.transformer.device):
                     start = time.perf_counter()
@@ -634,9 +664,9 @@ def worker(names: list[str], args) -> None:
                     p.block: {"rel_error": p.rel_error, "fp8": p.fp8, "export_s": p.export_s, "compile_s": p.compile_s}
                     for p, _ in report.rows
                 }
-            graphs = SCENARIOS.get(name) is not None and torch.cuda.is_available()
+            graphs = SCENARIOS.get(scenario) is not None and torch.cuda.is_available()
             latents = measure(pipe, row, args, reference, graphs)
-            if name == "eager":
+            if name == "eager":  # the reference; a variant of eager is compared with it
                 torch.save(latents, work / "eager.pt")
                 reference = latents
         except Exception as exc:  # one failing scenario must not hide the others' numbers
@@ -903,15 +933,29 @@ def environment() -> dict:
     }
 
 
-def run_group(names: list[str], args, logs: Path) -> list[dict]:
-    """One group in a fresh process with empty compile caches; its log and rows (rows.jsonl) go to `logs`."""
-    caches = Path(args.work) / "caches" / names[0]
-    env = {
+def group_label(names: list[str]) -> str:
+    """The group's name in file names (its log, its compile caches): its first scenario, with what a
+    variant's values may hold that a file name cannot (a path's "/") as "_"."""
+    return re.sub(r"[^\w.+=@-]", "_", names[0])
+
+
+def group_env(names: list[str], work: str) -> dict[str, str]:
+    """The environment of the process that runs the group `names`: this one's, with empty compile
+    caches of its own under `work`, the engine importable, and the settings of its variant
+    (`variant`; a variant runs in a group of its own) over all of them."""
+    caches = Path(work) / "caches" / group_label(names)
+    return {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
         "TRITON_CACHE_DIR": str(caches / "triton"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # the engine, aot/
+        **variant(names[0])[1],
     }
+
+
+def run_group(names: list[str], args, logs: Path) -> list[dict]:
+    """One group in a fresh process (`group_env`); its log and rows (rows.jsonl) go to `logs`."""
+    env = group_env(names, args.work)
     cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--worker", ",".join(names), *_shared_flags(args)]
     if names[0] in ZEROGPU:  # the Space's main process in ZeroGPU mode, the device API beside it
         env["GRADIO_SERVER_PORT"] = str(_free_port())
@@ -920,7 +964,7 @@ def run_group(names: list[str], args, logs: Path) -> list[dict]:
         if not torch.cuda.is_available():
             harness.append("--cpu")  # a smoke run on a machine without a GPU
         cmd = [sys.executable, *harness, *cmd[1:]]
-    log_path = logs / f"{names[0]}.log"
+    log_path = logs / f"{group_label(names)}.log"
     with open(log_path, "w") as log:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
     rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
@@ -1052,7 +1096,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scenarios",
         default=None,
-        help=f"comma-separated, from: {', '.join(names)} (default: all of them; with --family all but warm, zerogpu)",
+        help=f"comma-separated, from: {', '.join(names)} (default: all of them; with --family all but warm, "
+        "zerogpu); a variant, e.g. all@CUBLASLT_WORKSPACE_SIZE=0@AOT_FP8=off, runs that scenario in a process of "
+        "its own with those environment variables set",
     )
     parser.add_argument("--model", default=RANDOM, help="pipeline to measure (default: FLUX.1-dev shapes, random)")
     parser.add_argument(
@@ -1083,7 +1129,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     family_names = [n for n in names if n not in ("warm", *ZEROGPU, *PEERS)]
     wanted = args.scenarios.split(",") if args.scenarios else family_names if args.family else names
-    if "eager" not in wanted or any(n not in names for n in wanted):
+    try:
+        variants = [spec for spec in wanted if variant(spec)[1]]
+    except ValueError as exc:
+        parser.error(f"--scenarios: {exc}")
+    if "eager" not in wanted or any(variant(n)[0] not in names for n in wanted):
         parser.error(f"--scenarios: include eager; choose from {', '.join(names)}")
     if "warm" in wanted and "all" not in wanted:
         parser.error("--scenarios: warm starts from the packages `all` saves; add all")
@@ -1097,7 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         (logs / "rows.jsonl").unlink(missing_ok=True)  # this run's rows only
         rows = []
-        for group in GROUPS:
+        for group in [*GROUPS, *([spec] for spec in variants)]:
             chosen = [n for n in group if n in wanted]
             if chosen:
                 rows += run_group(chosen, args, logs)
