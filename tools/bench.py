@@ -537,18 +537,17 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
     the generation runs with graphs.
     """
     kwargs = step_inputs(pipe, args.size)
+    step = functools.partial(pipe.transformer, **kwargs)  # the plain step; the graphed one where graphs run
     with torch.no_grad():
-        row["step_ms"] = median_ms(lambda: pipe.transformer(**kwargs))
+        row["step_ms"] = median_ms(step)
         try:  # the breakdown explains the step; a profiler that fails must not lose the step's numbers
-            kernels = kernel_ms(lambda: pipe.transformer(**kwargs))
+            kernels = kernel_ms(step)
         except Exception as exc:
             kernels, row["kernels_error"] = None, f"{type(exc).__name__}: {exc}"
     if kernels:
         row["kernels_ms"], row["top_kernels"] = kernels
     if variant(row["scenario"])[0] not in PEERS:  # forward hooks: they need plain steps, not torch.compile's regions
         row["block_ms"] = block_ms(pipe, args.size)
-    with torch.no_grad():
-        row["step_ms_queued"] = queued_ms(lambda: pipe.transformer(**kwargs))
     if graphs:
         graphed = graph_step_(pipe.transformer)
         with torch.no_grad():
@@ -557,15 +556,17 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
                 changed = [n for n in ("hidden_states", "encoder_hidden_states", "timestep") if n in kwargs]
                 other = {**kwargs, **{n: torch.randn_like(kwargs[n]) for n in changed}}
                 row["graph_rel_error"] = rel_error(graphed(**other), graphed.step(**other))
-                row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(lambda: graphed(**kwargs))
-                row["step_ms_queued"] = queued_ms(lambda: graphed(**kwargs))
+                step = functools.partial(graphed, **kwargs)
+                row["step_ms_no_graphs"], row["step_ms"] = row["step_ms"], median_ms(step)
                 try:  # as the kernels above: the profile explains the step and must not lose it
-                    row["replay"] = timeline(device_events(lambda: graphed(**kwargs)))
+                    row["replay"] = timeline(device_events(step))
                 except Exception as exc:
                     row["replay_error"] = f"{type(exc).__name__}: {exc}"
             else:
                 row["graphs_failed"] = graphed.failed or "the step inputs were refused (graphs._key)"
                 unpatch_forward(pipe.transformer, GraphedStep)
+    with torch.no_grad():
+        row["step_ms_queued"] = queued_ms(step)
     generate(pipe, args.size, 2)  # warm up the text encoders and VAE at this size
     reset_peak()
     row["s_per_image"], latents = generate(pipe, args.size, args.steps)
@@ -1014,15 +1015,15 @@ def table(rows: list[dict], args) -> str:
             plain = f"graphs failed: {row['graphs_failed'][:80]}"
         elif plain is not None:
             plain = f"{plain:.1f} ({eager['step_ms'] / plain:.2f}x; replay error {row['graph_rel_error']:.0e})"
-        queued = row.get("step_ms_queued")
-        if queued is not None and eager.get("step_ms_queued"):
-            queued = f"{queued:.1f} ({eager['step_ms_queued'] / queued:.2f}x)"
+        queued = "-"
+        if row.get("step_ms_queued") and eager.get("step_ms_queued"):
+            queued = f"{row['step_ms_queued']:.1f} ({eager['step_ms_queued'] / row['step_ms_queued']:.2f}x)"
         ready = "-" if row["ready_s"] is None else f"{row['ready_s']:.1f}{'' if row['cold'] in (True, None) else '*'}"
         probe = "-" if row.get("isa_probe_s") is None else f"{row['isa_probe_s']:.1f}"
         peak = "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}"
         error = "-" if row.get("rel_error") is None else f"{row['rel_error']:.1e}"
         lines.append(
-            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {queued or '-'} | {plain or '-'} "
+            f"| {row['scenario']} | {row['step_ms']:.1f} | {row['speedup']:.2f}x | {queued} | {plain or '-'} "
             f"| {row['s_per_image']:.2f} | {ready} | {probe} | {peak} | {error} |"
         )
         if row.get("kernels_ms"):
@@ -1130,10 +1131,10 @@ def main(argv: list[str] | None = None) -> int:
     family_names = [n for n in names if n not in ("warm", *ZEROGPU, *PEERS)]
     wanted = args.scenarios.split(",") if args.scenarios else family_names if args.family else names
     try:
-        variants = [spec for spec in wanted if variant(spec)[1]]
+        parsed = {spec: variant(spec) for spec in wanted}
     except ValueError as exc:
         parser.error(f"--scenarios: {exc}")
-    if "eager" not in wanted or any(variant(n)[0] not in names for n in wanted):
+    if "eager" not in wanted or any(name not in names for name, _ in parsed.values()):
         parser.error(f"--scenarios: include eager; choose from {', '.join(names)}")
     if "warm" in wanted and "all" not in wanted:
         parser.error("--scenarios: warm starts from the packages `all` saves; add all")
@@ -1147,7 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         (logs / "rows.jsonl").unlink(missing_ok=True)  # this run's rows only
         rows = []
-        for group in [*GROUPS, *([spec] for spec in variants)]:
+        for group in [*GROUPS, *([spec] for spec, (_, env) in parsed.items() if env)]:
             chosen = [n for n in group if n in wanted]
             if chosen:
                 rows += run_group(chosen, args, logs)
