@@ -61,8 +61,8 @@ def compile_transformer(pipe: Any, options: Options, gpu_size: str | None = None
     """Compile `pipe.transformer`'s repeated blocks ahead of time, or load saved packages that match.
 
     In one `@spaces.GPU(duration=1500)` call (a ZeroGPU worker, on the card that will serve): the
-    text encoders' FP8 trial (`AOT_TEXT_FP8`), the GPU's plan of trials resolved once (attention,
-    FP8, CUDA graphs: `plans.Trials`), then the verified packages of `options.load`, or
+    GPU's plan of trials resolved once (attention, FP8, CUDA graphs, cuBLASLt's workspace:
+    `plans.Trials`), the text encoders' FP8 trial (`AOT_TEXT_FP8`), then the verified packages of `options.load`, or
     capture + export + compile (`export.compile_blocks`). Nothing is applied or saved here:
     `aot.apply_(pipe, compiled)`, `aot.save_and_push(compiled, options)`.
 
@@ -89,8 +89,8 @@ def compile_transformer(pipe: Any, options: Options, gpu_size: str | None = None
     @spaces.GPU(duration=1500, size=gpu_size)
     @zerogpu.worker  # the worker's exceptions, and what it checked, come back whole
     def compile_on_gpu() -> Compiled:
-        text = text_fp8.trial_(pipe, LONG_PROMPT, options.text_fp8)  # first: it holds bf16 beside FP8 for a moment
-        trials = Trials.resolve(options, pipe.transformer)  # this card's plan, each fast path with its reason
+        trials = Trials.resolve(options, pipe.transformer)  # first, before any GEMM: the plan sets cuBLASLt's workspace
+        text = text_fp8.trial_(pipe, LONG_PROMPT, options.text_fp8)  # then: it holds bf16 beside FP8 for a moment
         compiled = load_saved(options, pipe, target, trials) if options.load else None
         compiled = compiled or compile_blocks(pipe, target, trials)
         return dataclasses.replace(compiled, text_fp8=text, graphs=trials.graphs)

@@ -16,6 +16,7 @@ and at a compiled block's first call, in the GPU worker on ZeroGPU (zerogpu.py s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,15 @@ class Plan:
 
     Each entry is a trial (export, compile, load, parity against eager) that falls back to the
     next with its reason: `attention` kernels, then `fp8` granularities (bf16 after the last).
+    `cublaslt_workspace_kib`: the cuBLASLt workspace, KiB, the plan gives the process
+    (`set_cublaslt_workspace`); None leaves torch's.
     """
 
     name: str  # "sm_90"
     attention: tuple[str, ...]
     fp8: tuple[str, ...]
     why: str  # where the order comes from
+    cublaslt_workspace_kib: int | None = None
 
 
 # The plan per GPU, keyed by compute capability (major, minor): the first row whose range holds the
@@ -52,6 +56,10 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
             ("fa3-fp8", "fa3", "sdpa"),
             ("row", "tensor"),
             "Hopper: FA3 runs, FP8 attention and row-wise FP8 first",
+            # Without a workspace cuBLASLt runs FLUX.1-dev's large FP8 GEMMs as a stream-K kernel with no
+            # 4-byte memset before each: the step took 85.3 and 85.7 against 87.3 and 87.0 ms (H100,
+            # 2026-12-07, BENCHMARKS.md section (e)); the sm_120 plan's was level (96.0 against 95.4 ms).
+            cublaslt_workspace_kib=0,
         ),
     ),
     (
@@ -113,14 +121,39 @@ def forced_plan(options: Options) -> Plan | None:
 
 def resolve_plan(options: Options, device: torch.device) -> tuple[Plan, Decision]:
     """This GPU's plan, or the one `options.plan` forces (`12.0` rehearses ZeroGPU's card on another
-    GPU); the decision says which and why. Call it where the real card is (a ZeroGPU worker)."""
+    GPU), with its cuBLASLt workspace set for the process (`set_cublaslt_workspace`); the decision
+    says which and why. Call it where the real card is (a ZeroGPU worker), before any GEMM there."""
     here = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     gpu = f"{torch.cuda.get_device_name(device)}, sm_{''.join(map(str, here))}" if here else device.type
     plan = forced_plan(options)
-    if plan is None:
-        plan = plan_for(here)
-        return plan, Decision("plan", plan.name, f"auto: {gpu}; {plan.why}")
-    return plan, Decision("plan", plan.name, f"forced by plan={options.plan} on {gpu}; {plan.why}")
+    origin = f"forced by plan={options.plan} on {gpu}" if plan else f"auto: {gpu}"
+    plan = plan or plan_for(here)
+    workspace = set_cublaslt_workspace(plan)
+    return plan, Decision("plan", plan.name, "; ".join([origin, plan.why, *([workspace] if workspace else [])]))
+
+
+# torch's variable for the cuBLASLt workspace, in KiB, read at the process's first cuBLASLt call.
+CUBLASLT_WORKSPACE_SIZE = "CUBLASLT_WORKSPACE_SIZE"
+
+
+def set_cublaslt_workspace(plan: Plan) -> str:
+    """Give this process the plan's cuBLASLt workspace (`Plan.cublaslt_workspace_kib`, KiB) through
+    torch's `CUBLASLT_WORKSPACE_SIZE`, unless the environment sets it already: the environment wins,
+    so `tools/bench.py --scenarios all@CUBLASLT_WORKSPACE_SIZE=KIB` A/Bs another size. Returns what
+    holds, for the plan's decision, or "" where neither sets it.
+
+    torch reads the variable once, at the process's first cuBLASLt call, so it takes effect only if
+    no GEMM has run on the GPU before: `Trials.resolve`, which calls this through `resolve_plan`, is
+    the first thing compile.py's GPU call does. In ZeroGPU mode the request workers are forked from
+    the main process, which never sets it; ZeroGPU's sm_120 plan sets none.
+    """
+    held = os.environ.get(CUBLASLT_WORKSPACE_SIZE)
+    if held is not None:
+        return f"{CUBLASLT_WORKSPACE_SIZE}={held} as set"
+    if plan.cublaslt_workspace_kib is None:
+        return ""
+    os.environ[CUBLASLT_WORKSPACE_SIZE] = str(plan.cublaslt_workspace_kib)
+    return f"cuBLASLt workspace {plan.cublaslt_workspace_kib} KiB ({CUBLASLT_WORKSPACE_SIZE})"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from aot.apply import apply_, patch_blocks_
 from aot.export import compile_blocks
 from aot.options import Options
 from aot.pipeline import load_pipeline
-from aot.plans import Trials
+from aot.plans import CUBLASLT_WORKSPACE_SIZE, Trials
 from aot.saving import save_and_push, save_packages
 from aot.target import Target
 from compile import compile_transformer
@@ -66,6 +66,14 @@ def generate(pipe, height: int, width: int, seed: int = 0, steps: int = 2, **kwa
         output_type="pt",
         **kwargs,
     ).images
+
+
+@pytest.fixture(autouse=True)
+def no_cublaslt_workspace_setting(monkeypatch):
+    """Each test starts and ends without `CUBLASLT_WORKSPACE_SIZE`, which resolving a Hopper plan
+    (`plan="9.0"`) sets for the process (`plans.set_cublaslt_workspace`)."""
+    monkeypatch.setenv(CUBLASLT_WORKSPACE_SIZE, "")  # recorded as unset: undone at the end
+    monkeypatch.delenv(CUBLASLT_WORKSPACE_SIZE)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Options (flags, environment, defaults), the resolution rule, and the switch matrix on CPU."""
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,15 @@ from aot.export import compile_blocks
 from aot.fp8 import fp8_config
 from aot.options import Options
 from aot.pipeline import load_pipeline
-from aot.plans import Decision, plan_for, resolve_attention, resolve_cuda_graphs, resolve_fp8
+from aot.plans import (
+    CUBLASLT_WORKSPACE_SIZE,
+    Decision,
+    plan_for,
+    resolve_attention,
+    resolve_cuda_graphs,
+    resolve_fp8,
+    resolve_plan,
+)
 from aot.resolution import Resolution
 
 
@@ -178,6 +187,43 @@ def test_the_plan_per_gpu_is_data_keyed_by_compute_capability(capability, plan, 
         plan_for((13, 0))
     with pytest.raises(ValueError, match="plan='12': use auto or a compute capability"):
         Options(plan="12")
+
+
+def test_the_hopper_plan_gives_the_process_no_cublaslt_workspace_unless_the_environment_has_one(monkeypatch):
+    """torch reads `CUBLASLT_WORKSPACE_SIZE` at the process's first cuBLASLt call; what it does on the GPU
+    is measured by tools/bench.py (BENCHMARKS.md section (e)), not here."""
+    cpu = torch.device("cpu")
+    _, planned = resolve_plan(tiny_options(plan="12.0"), cpu)
+    assert CUBLASLT_WORKSPACE_SIZE not in os.environ and "cuBLASLt" not in planned.reason
+    _, planned = resolve_plan(tiny_options(plan="9.0"), cpu)
+    assert os.environ[CUBLASLT_WORKSPACE_SIZE] == "0"
+    assert planned.reason.endswith("; cuBLASLt workspace 0 KiB (CUBLASLT_WORKSPACE_SIZE)"), planned
+    for plan in ("9.0", "12.0"):  # what the environment holds wins, and the decision says so
+        monkeypatch.setenv(CUBLASLT_WORKSPACE_SIZE, "32768")
+        _, planned = resolve_plan(tiny_options(plan=plan), cpu)
+        assert os.environ[CUBLASLT_WORKSPACE_SIZE] == "32768"
+        assert planned.reason.endswith("; CUBLASLT_WORKSPACE_SIZE=32768 as set"), planned
+
+
+def test_the_gpu_call_resolves_its_plan_before_the_text_encoders_run_a_gemm(monkeypatch):
+    """compile.py's GPU call: the plan's cuBLASLt workspace is set before the text encoders' FP8 trial,
+    the first code that could run a GEMM. The compile after it is cut short: its result is not checked here."""
+    import compile as compile_py
+
+    seen, trial = [], compile_py.text_fp8.trial_
+
+    def recorded(*args, **kwargs):
+        seen.append(os.environ.get(CUBLASLT_WORKSPACE_SIZE))
+        return trial(*args, **kwargs)
+
+    def cut_short(*args, **kwargs):
+        raise RuntimeError("cut short")
+
+    monkeypatch.setattr(compile_py.text_fp8, "trial_", recorded)
+    monkeypatch.setattr(compile_py, "compile_blocks", cut_short)
+    with pytest.raises(RuntimeError, match="cut short"):
+        compile_py.compile_transformer(load_tiny(), tiny_options(plan="9.0"))
+    assert seen == ["0"]
 
 
 def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypatch, eager_pipe):
