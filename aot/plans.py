@@ -132,7 +132,7 @@ def resolve_plan(options: Options, device: torch.device) -> tuple[Plan, Decision
     return plan, Decision("plan", plan.name, "; ".join([origin, plan.why, *([workspace] if workspace else [])]))
 
 
-# torch's variable for the cuBLASLt workspace, in KiB, read at the process's first cuBLASLt call.
+# torch's variable for the cuBLASLt workspace, in KiB, read at every cuBLASLt call (`set_cublaslt_workspace`).
 CUBLASLT_WORKSPACE_SIZE = "CUBLASLT_WORKSPACE_SIZE"
 
 
@@ -142,10 +142,12 @@ def set_cublaslt_workspace(plan: Plan) -> str:
     so `tools/bench.py --scenarios all@CUBLASLT_WORKSPACE_SIZE=KIB` A/Bs another size. Returns what
     holds, for the plan's decision, or "" where neither sets it.
 
-    torch reads the variable once, at the process's first cuBLASLt call, so it takes effect only if
-    no GEMM has run on the GPU before: `Trials.resolve`, which calls this through `resolve_plan`, is
-    the first thing compile.py's GPU call does. In ZeroGPU mode the request workers are forked from
-    the main process, which never sets it; ZeroGPU's sm_120 plan sets none.
+    torch 2.11 reads the variable at every cuBLASLt call (`at::cuda::getCUDABlasLtWorkspaceSize` parses
+    it each time; no static holds it), as the most workspace that call's algorithm may use, so the
+    setting holds for every GEMM after it: `Trials.resolve`, which calls this through `resolve_plan`,
+    is the first thing compile.py's GPU call does, before any GEMM and any CUDA graph capture. In
+    ZeroGPU mode the request workers are forked from the main process, which never sets it; ZeroGPU's
+    sm_120 plan sets none.
     """
     held = os.environ.get(CUBLASLT_WORKSPACE_SIZE)
     if held is not None:

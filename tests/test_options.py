@@ -190,8 +190,8 @@ def test_the_plan_per_gpu_is_data_keyed_by_compute_capability(capability, plan, 
 
 
 def test_the_hopper_plan_gives_the_process_no_cublaslt_workspace_unless_the_environment_has_one(monkeypatch):
-    """torch reads `CUBLASLT_WORKSPACE_SIZE` at the process's first cuBLASLt call; what it does on the GPU
-    is measured by tools/bench.py (BENCHMARKS.md section (e)), not here."""
+    """torch reads `CUBLASLT_WORKSPACE_SIZE` at each cuBLASLt call; what it does on the GPU is measured by
+    tools/bench.py (BENCHMARKS.md, "Hopper's plan without cuBLASLt's workspace"), not here."""
     cpu = torch.device("cpu")
     _, planned = resolve_plan(tiny_options(plan="12.0"), cpu)
     assert CUBLASLT_WORKSPACE_SIZE not in os.environ and "cuBLASLt" not in planned.reason
