@@ -58,7 +58,8 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
             "Hopper: FA3 runs, FP8 attention and row-wise FP8 first",
             # Without a workspace cuBLASLt runs FLUX.1-dev's large FP8 GEMMs as a stream-K kernel with no
             # 4-byte memset before each: the step took 85.3 and 85.7 against 87.3 and 87.0 ms (H100,
-            # 2026-12-07, BENCHMARKS.md section (e)); the sm_120 plan's was level (96.0 against 95.4 ms).
+            # 2026-12-07, BENCHMARKS.md "Hopper's plan without cuBLASLt's workspace"); the sm_120 plan's was
+            # level (96.0 against 95.4 ms).
             cublaslt_workspace_kib=0,
         ),
     ),
