@@ -130,7 +130,7 @@ def resolve_plan(options: Options, device: torch.device) -> tuple[Plan, Decision
     origin = f"forced by plan={options.plan} on {gpu}" if plan else f"auto: {gpu}"
     plan = plan or plan_for(here)
     workspace = set_cublaslt_workspace(plan)
-    return plan, Decision("plan", plan.name, "; ".join([origin, plan.why, *([workspace] if workspace else [])]))
+    return plan, Decision("plan", plan.name, "; ".join(filter(None, [origin, plan.why, workspace])))
 
 
 # torch's variable for the cuBLASLt workspace, in KiB, read at every cuBLASLt call (`set_cublaslt_workspace`).
