@@ -35,7 +35,7 @@ gradio_client: the first request on a new worker, warm requests, and the step as
 `peer` and `peer-tensor` are what a diffusers user would write instead (`compile_like_diffusers`:
 torchao FP8 per row or per tensor, FA3 through diffusers' dispatcher, `compile_repeated_blocks`);
 ready s is their first step, where torch.compile compiles; they run on CUDA only (FA3, FP8).
-A variant, `SCENARIO@VAR=VALUE[@VAR=VALUE...]` (e.g. `all@CUBLASLT_WORKSPACE_SIZE=0`), runs that
+A variant, `SCENARIO@VAR=VALUE[@VAR=VALUE...]` (e.g. `all@CUBLASLT_WORKSPACE_SIZE=32768`), runs that
 scenario in a process of its own with those environment variables set, after the other groups: an A/B of
 an engine option (AOT_*), an Inductor or a CUDA library setting against the same eager row.
 It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last, and appends
@@ -153,7 +153,7 @@ GROUPS += [["zerogpu"], ["zerogpu-eager"], ["lora"], ["peer"], ["peer-tensor"]]
 # (`compile_like_diffusers`): FP8 per row as ours, and per tensor (flux-fast's and flux-fp8-api's recipe).
 PEERS = {"peer": "row", "peer-tensor": "tensor"}
 ZEROGPU = ("zerogpu", "zerogpu-eager")  # the Space in ZeroGPU mode, compiled (everything auto) and eager
-# A `--scenarios` entry may be a variant of one of these: `all@CUBLASLT_WORKSPACE_SIZE=0@AOT_FP8=off` runs
+# A `--scenarios` entry may be a variant of one of these: `all@CUBLASLT_WORKSPACE_SIZE=32768@AOT_FP8=off` runs
 # `all` in a process of its own with those environment variables set (`variant`): an A/B of any setting,
 # in one run, against one eager row.
 VARIANT_OF = (*SCENARIOS, *PEERS)
@@ -165,7 +165,7 @@ RANDOM = "random-flux-dev"
 
 def variant(spec: str) -> tuple[str, dict[str, str]]:
     """The scenario of a `--scenarios` entry and the environment variables its variant sets:
-    "all" -> ("all", {}); "all@CUBLASLT_WORKSPACE_SIZE=0" -> ("all", {"CUBLASLT_WORKSPACE_SIZE": "0"}).
+    "all" -> ("all", {}); "all@CUBLASLT_WORKSPACE_SIZE=32768" -> ("all", {"CUBLASLT_WORKSPACE_SIZE": "32768"}).
     A value cannot hold a comma or "@" (they separate entries and settings).
 
     Raises:
@@ -1098,7 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios",
         default=None,
         help=f"comma-separated, from: {', '.join(names)} (default: all of them; with --family all but warm, "
-        "zerogpu); a variant, e.g. all@CUBLASLT_WORKSPACE_SIZE=0@AOT_FP8=off, runs that scenario in a process of "
+        "zerogpu); a variant, e.g. all@CUBLASLT_WORKSPACE_SIZE=32768@AOT_FP8=off, runs that scenario in a process of "
         "its own with those environment variables set",
     )
     parser.add_argument("--model", default=RANDOM, help="pipeline to measure (default: FLUX.1-dev shapes, random)")
