@@ -5,6 +5,7 @@ gives NaN fails it (NaN is never equal to itself) and the benchmark reports grap
 """
 
 import argparse
+import json
 import time
 
 import pytest
@@ -164,3 +165,22 @@ def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):
     assert calls.read_text().split() == ["--id=1"] * 4
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: a CPU run waits for nothing
     assert bench.wait_for_idle_gpu() == 0.0
+
+
+def test_a_kept_work_folder_holds_the_run_and_is_never_one_another_run_used(tmp_path):
+    """`--keep DIR` leaves the run's work in DIR (eager's latents, the group's caches, its row), and refuses
+    a file or a folder with something in it before anything runs: a second run there would take the first
+    run's eager latents as its own reference and compile from warm caches."""
+    kept = tmp_path / "kept"
+    run = ["--scenarios", "eager", "--model", "assets/tiny-flux", "--size", "256", "--steps", "1", "--results", ""]
+    assert bench.main([*run, "--keep", str(kept)]) == 0
+    assert (kept / "eager.pt").is_file()
+    assert (kept / "caches" / "eager" / "inductor").is_dir()
+    assert json.loads((kept / "rows.jsonl").read_text())["scenario"] == "eager"
+    (tmp_path / "file").write_text("")
+    for taken in [kept, tmp_path / "file"]:
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        with pytest.raises(SystemExit) as exit_:
+            bench.main([*run, "--keep", str(taken)])
+        assert exit_.value.code == 2
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -39,7 +39,9 @@ A variant, `SCENARIO@VAR=VALUE[@VAR=VALUE...]` (e.g. `all@CUBLASLT_WORKSPACE_SIZ
 scenario in a process of its own with those environment variables set, after the other groups: an A/B of
 an engine option (AOT_*), an Inductor or a CUDA library setting against the same eager row.
 It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last, and appends
-that line to benchmarks/results.jsonl (`--results`).
+that line to benchmarks/results.jsonl (`--results`). `--keep DIR` keeps the run's work folder: each group's
+Inductor cache (caches/GROUP/inductor) holds its kernels' Triton sources, beside the configurations
+autotuning chose (`*.best_config`), and packages/ what `all` saved.
 
 `--family NAME` measures another family at its published transformer shapes: the tiny pipeline
 assets/tiny-NAME/ with its transformer replaced by one built from `PUBLISHED_TRANSFORMER` in
@@ -54,11 +56,13 @@ From the repo root (the engine, aot/, is imported from there):
     python -m tools.bench                              # everything, 1024x1024, 28 steps
     python -m tools.bench --scenarios eager,aot --steps 8
     python -m tools.bench --family z-image --scenarios eager,all --steps 8
+    python -m tools.bench --scenarios eager,all --keep runs/kernels   # ... and read its kernels after
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -1091,6 +1095,23 @@ def zerogpu_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def work_folder(keep: str | None) -> contextlib.AbstractContextManager[str]:
+    """The run's work folder as a context giving its absolute path: `keep`, made if new and left in
+    place after the run, or, without one, a temporary folder deleted after it.
+
+    Raises:
+        ValueError: `keep` is a file, or a folder with something in it (a run would read another
+            run's eager latents and compile from its warm caches).
+    """
+    if keep is None:
+        return tempfile.TemporaryDirectory()
+    folder = Path(keep).resolve()
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{keep} is {'not empty' if folder.is_dir() else 'a file'}; give a new or empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(folder))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [n for group in GROUPS for n in group]
@@ -1120,6 +1141,12 @@ def main(argv: list[str] | None = None) -> int:
         default=str(ROOT / "benchmarks" / "results.jsonl"),
         help="file the JSON line is appended to ('' for none; default: benchmarks/results.jsonl)",
     )
+    parser.add_argument(
+        "--keep",
+        default=None,
+        help="a new or empty folder to keep the run's work in: each group's Inductor and Triton caches (under "
+        "caches/GROUP/), the packages `all` saved, eager's latents (default: a temporary folder, deleted)",
+    )
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1142,7 +1169,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--family measures eager, aot, aot+fa3, aot+fp8, all, fa3 and sm120; warm and zerogpu run FLUX.1-dev"
         )
-    with tempfile.TemporaryDirectory() as work:
+    try:
+        folder = work_folder(args.keep)
+    except ValueError as exc:
+        parser.error(f"--keep: {exc}")
+    with folder as work:
         args.work = work
         logs = Path(args.logs or work)
         logs.mkdir(parents=True, exist_ok=True)
