@@ -40,8 +40,8 @@ scenario in a process of its own with those environment variables set, after the
 an engine option (AOT_*), an Inductor or a CUDA library setting against the same eager row.
 It prints a markdown table, then one JSON line (date, GPU, versions, commit, rows) last, and appends
 that line to benchmarks/results.jsonl (`--results`). `--keep DIR` keeps the run's work folder: each group's
-Inductor cache (caches/GROUP/inductor) holds its kernels' Triton sources, beside the configurations
-autotuning chose (`*.best_config`), and packages/ what `all` saved.
+Inductor cache (caches/GROUP/inductor) holds its kernels' sources (Triton's on a GPU), beside the
+configurations autotuning chose (`*.best_config`), and packages/ what `all` saved.
 
 `--family NAME` measures another family at its published transformer shapes: the tiny pipeline
 assets/tiny-NAME/ with its transformer replaced by one built from `PUBLISHED_TRANSFORMER` in
