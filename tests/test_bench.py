@@ -167,7 +167,7 @@ def test_a_new_worker_is_measured_once_the_gpu_is_idle(tmp_path, monkeypatch):
     assert bench.wait_for_idle_gpu() == 0.0
 
 
-def test_a_kept_work_folder_holds_the_run_and_is_never_one_another_run_used(tmp_path):
+def test_a_kept_work_folder_holds_the_run_and_must_be_new_or_empty(tmp_path):
     """`--keep DIR` leaves the run's work in DIR (eager's latents, the group's caches, its row), and refuses
     a file or a folder with something in it before anything runs: a second run there would take the first
     run's eager latents as its own reference and compile from warm caches."""

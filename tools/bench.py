@@ -56,7 +56,7 @@ From the repo root (the engine, aot/, is imported from there):
     python -m tools.bench                              # everything, 1024x1024, 28 steps
     python -m tools.bench --scenarios eager,aot --steps 8
     python -m tools.bench --family z-image --scenarios eager,all --steps 8
-    python -m tools.bench --scenarios eager,all --keep runs/kernels   # ... and read its kernels after
+    python -m tools.bench --scenarios eager,all --keep /tmp/bench-run   # ... and keep its kernels
 """
 
 from __future__ import annotations
