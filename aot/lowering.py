@@ -42,6 +42,13 @@ FP8_INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
 # The widest row a reduction keeps in registers (`persistent_rows`): FLUX's 3072 features and its
 # single block's 15360-wide `proj_out` input.
 PERSISTENT_ROW_MAX = 16384
+# The launch configuration of a persistent reduction over rows no wider than `STRIDED_ROW_MAX` whose
+# other loads are strided (the q and k kernels: RMS norms over each head row, RoPE's interleaved pairs,
+# FP8 casts): one row per program, one warp, coordinate descent's choice for FLUX.1-dev's single block's
+# q and k kernel. That kernel took 2.62 ms a step against 3.50 ms looped (H200, 2026-12-07); Inductor's
+# own candidates for such rows took 4.02 ms against 3.47 looped (H100) (BENCHMARKS.md, section (e)).
+STRIDED_ROW_CONFIG = {"XBLOCK": 1, "num_warps": 1, "num_stages": 1}
+STRIDED_ROW_MAX = 256
 # sqrt(2 / pi): the constant of GELU's tanh approximation (torch.nn.GELU's docs).
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 # PTX's tanh.approx.f32, sm_75 and later: at most 2^-11 relative error over the whole float range,
@@ -120,7 +127,11 @@ def persistent_rows() -> Any:
     in one program's registers, read once; Inductor's own limit is 1024. The layer norms over 3072
     features and the row abs-max before every FP8 GEMM of FLUX's blocks then read their rows once
     instead of in a loop. Every other reduction, a width known only at run time, and everything while
-    `triton.persistent_reductions` is off get Inductor's own answer (`InductorChoices`).
+    `triton.persistent_reductions` is off get Inductor's own answer (`InductorChoices`). A row whose
+    reductions read it contiguously counts even where other loads stride (`strided_rows`), and up to
+    `STRIDED_ROW_MAX` wide such a kernel launches with `STRIDED_ROW_CONFIG`, fixed at compile time
+    (`triton_kernel_kwargs`, Inductor's hook for fixed configurations): Inductor's own candidates
+    for them are slower than its looped reduction.
 
     Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, FLUX.1-dev's step
     took 93.7-94.0 against 95.0-95.4 ms and FLUX.2 klein's 39.8 against 40.9 ms. Up to 16384, the
@@ -131,19 +142,41 @@ def persistent_rows() -> Any:
     from torch._inductor.choices import InductorChoices
     from torch._inductor.runtime.hints import ReductionHint
 
+    def strided_rows(features: Any) -> bool:
+        """Every reduction of the kernel reads contiguous rows; its own hint is DEFAULT where some
+        pointwise loads are strided (RoPE's interleaved pairs), and Inductor keeps such rows whole
+        only up to 64 wide."""
+        reductions = features.reduction_nodes()
+        return bool(reductions) and all(features.reduction_hint(n) == ReductionHint.INNER for n in reductions)
+
+    def rows_in_registers(features: Any, cooperative_reduction: bool) -> bool:
+        width = features.reduction_numel
+        return (
+            config.triton.persistent_reductions  # Inductor's own off switch still turns them off
+            and not cooperative_reduction
+            and (features.get_reduction_hint() == ReductionHint.INNER or strided_rows(features))
+            and width.is_number
+            and int(width) <= PERSISTENT_ROW_MAX
+        )
+
     class PersistentRows(InductorChoices):
         @staticmethod
         def should_use_persistent_reduction(features: Any, cooperative_reduction: bool) -> bool:
-            width = features.reduction_numel
-            if (
-                config.triton.persistent_reductions  # Inductor's own off switch still turns them off
-                and not cooperative_reduction
-                and features.get_reduction_hint() == ReductionHint.INNER
-                and width.is_number
-                and int(width) <= PERSISTENT_ROW_MAX
-            ):
+            if rows_in_registers(features, cooperative_reduction):
                 return True
             return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+        def triton_kernel_kwargs(self, kernel_cls: Any, features: Any, groups: Any, kernel_kwargs: dict) -> dict:
+            from torch._inductor.codegen.triton import FixedTritonConfig
+
+            if (
+                features.get_reduction_hint() != ReductionHint.INNER
+                and strided_rows(features)
+                and rows_in_registers(features, config.triton.cooperative_reductions)
+                and int(features.reduction_numel) <= STRIDED_ROW_MAX
+            ):
+                return {**kernel_kwargs, "fixed_config": FixedTritonConfig(dict(STRIDED_ROW_CONFIG))}
+            return kernel_kwargs
 
     return PersistentRows()
 

@@ -21,12 +21,26 @@ class Row:
     """Stands in for the kernel features Inductor passes its choices (what the heuristics read): a
     CPU machine writes no Triton reduction, so Inductor never asks this question here."""
 
-    def __init__(self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER):
+    def __init__(
+        self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER, reductions: tuple = ()
+    ):
         self.reduction_numel, self.hint = sympy.sympify(width), hint
         self.numel = 4608 * self.reduction_numel  # FLUX.1-dev's 4608 image tokens at 1024x1024
+        self.reductions = reductions  # each reduction node's own hint
 
     def get_reduction_hint(self) -> ReductionHint:
         return self.hint
+
+    def reduction_nodes(self) -> list[int]:
+        return list(range(len(self.reductions)))
+
+    def reduction_hint(self, node: int) -> ReductionHint:
+        return self.reductions[node]
+
+
+def strided(width: int) -> Row:
+    """The q and k kernel's features: two reductions along rows (sums of squares), hint DEFAULT (RoPE)."""
+    return Row(width, ReductionHint.DEFAULT, (ReductionHint.INNER, ReductionHint.INNER))
 
 
 def test_rows_up_to_16384_wide_stay_in_one_program_and_inductor_answers_otherwise():
@@ -115,3 +129,24 @@ def test_a_package_compiles_the_decomposed_program_under_the_row_choices(monkeyp
     assert not any(node.target is aten.gelu.default for node in program.graph.nodes)
     assert seen and all(handler is ours for handler in seen) and V.choices is not ours
     assert rel_error(runner(x), module(x)) < TOLERANCE
+
+
+def test_strided_rows_stay_in_one_program_and_launch_with_the_fixed_configuration():
+    from torch._inductor.codegen.triton import TritonKernel
+
+    ours = lowering.persistent_rows()
+    with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
+        assert ours.should_use_persistent_reduction(strided(128), False)
+        assert not InductorChoices().should_use_persistent_reduction(strided(128), False)  # so the heuristic changed
+        fixed = ours.triton_kernel_kwargs(TritonKernel, strided(128), [], {"features": "kept"})
+        assert fixed["features"] == "kept" and fixed["fixed_config"].config == lowering.STRIDED_ROW_CONFIG
+        for row in [
+            strided(lowering.STRIDED_ROW_MAX * 2),  # persistent, Inductor's launch candidates
+            Row(128),  # INNER: Inductor's own configurations
+            Row(128, ReductionHint.DEFAULT, (ReductionHint.INNER, ReductionHint.OUTER)),
+            Row(128, ReductionHint.DEFAULT),  # no reduction node
+        ]:
+            assert "fixed_config" not in ours.triton_kernel_kwargs(TritonKernel, row, [], {}), row.hint
+        assert ours.should_use_persistent_reduction(strided(lowering.STRIDED_ROW_MAX * 2), False)
+        with torch._inductor.config.patch({"triton.persistent_reductions": False}):
+            assert "fixed_config" not in ours.triton_kernel_kwargs(TritonKernel, strided(128), [], {})
