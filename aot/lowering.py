@@ -171,8 +171,7 @@ def persistent_rows() -> Any:
 
             if (
                 features.get_reduction_hint() != ReductionHint.INNER
-                and strided_rows(features)
-                and rows_in_registers(features, config.triton.cooperative_reductions)
+                and rows_in_registers(features, config.triton.cooperative_reductions)  # so `strided_rows`
                 and int(features.reduction_numel) <= STRIDED_ROW_MAX
             ):
                 return {**kernel_kwargs, "fixed_config": FixedTritonConfig(dict(STRIDED_ROW_CONFIG))}
