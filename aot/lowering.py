@@ -131,7 +131,8 @@ def persistent_rows() -> Any:
     reductions read it contiguously counts even where other loads stride (`strided_rows`), and up to
     `STRIDED_ROW_MAX` wide such a kernel launches with `STRIDED_ROW_CONFIG`, fixed at compile time
     (`triton_kernel_kwargs`, Inductor's hook for fixed configurations): Inductor's own candidates
-    for them are slower than its looped reduction.
+    for them are slower than its looped reduction. A kernel that loads a value per row (a row's scale,
+    `row_indexed_loads`) keeps Inductor's launch: Inductor cannot write it at the fixed one.
 
     Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, FLUX.1-dev's step
     took 93.7-94.0 against 95.0-95.4 ms and FLUX.2 klein's 39.8 against 40.9 ms. Up to 16384, the
@@ -148,6 +149,21 @@ def persistent_rows() -> Any:
         only up to 64 wide."""
         reductions = features.reduction_nodes()
         return bool(reductions) and all(features.reduction_hint(n) == ReductionHint.INNER for n in reductions)
+
+    def row_indexed_loads(features: Any) -> bool:
+        """Some load of the kernel is indexed by the row alone, one value per row, such as a row's
+        scale. At a fixed launch of one row a program Inductor drops the row dimension from the
+        kernel's tensors (`no_x_dim`) and then cannot write such a load: torch 2.11's
+        `TritonSymbols.get_block_shape` raises a TypeError (tests/test_lowering.py writes one on a CPU)."""
+        from torch._inductor.codegen.simd_kernel_features import MemoryEstimator
+
+        estimate = MemoryEstimator(features, (features.numel, features.reduction_numel))
+        row, column = estimate.symbols
+        return any(
+            row in dep.index.free_symbols and column not in dep.index.free_symbols
+            for deps in estimate.persistent.reads.values()
+            for dep in deps
+        )
 
     def rows_in_registers(features: Any, cooperative_reduction: bool) -> bool:
         width = features.reduction_numel
@@ -173,6 +189,7 @@ def persistent_rows() -> Any:
                 features.get_reduction_hint() != ReductionHint.INNER
                 and rows_in_registers(features, config.triton.cooperative_reductions)  # so `strided_rows`
                 and int(features.reduction_numel) <= STRIDED_ROW_MAX
+                and not row_indexed_loads(features)
             ):
                 return {**kernel_kwargs, "fixed_config": FixedTritonConfig(dict(STRIDED_ROW_CONFIG))}
             return kernel_kwargs

@@ -1,10 +1,15 @@
 """aot/lowering.py on the CPU: the heuristic and the decomposition every package compiles with."""
 
+import tempfile
+from typing import Any
+
+import pytest
 import sympy
 import torch
 import torch.nn.functional as F
 from conftest import TOLERANCE
 from torch._inductor.choices import InductorChoices
+from torch._inductor.exc import InductorError
 from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
@@ -18,8 +23,8 @@ aten = torch.ops.aten
 
 
 class Row:
-    """Stands in for the kernel features Inductor passes its choices (what the heuristics read): a
-    CPU machine writes no Triton reduction, so Inductor never asks this question here."""
+    """Stands in for the kernel features Inductor passes its choices (what the heuristics read), at
+    FLUX's widths and hints, which no small graph gives; `RowNorm` below has Inductor pass its own."""
 
     def __init__(
         self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER, reductions: tuple = ()
@@ -131,15 +136,13 @@ def test_a_package_compiles_the_decomposed_program_under_the_row_choices(monkeyp
     assert rel_error(runner(x), module(x)) < TOLERANCE
 
 
-def test_strided_rows_stay_in_one_program_and_launch_with_the_fixed_configuration():
+def test_strided_rows_stay_in_one_program_and_other_rows_launch_as_inductor_chooses():
     from torch._inductor.codegen.triton import TritonKernel
 
     ours = lowering.persistent_rows()
     with V.set_graph_handler(GraphLowering(torch.fx.symbolic_trace(torch.nn.Identity()))):
         assert ours.should_use_persistent_reduction(strided(128), False)
         assert not InductorChoices().should_use_persistent_reduction(strided(128), False)  # so the heuristic changed
-        fixed = ours.triton_kernel_kwargs(TritonKernel, strided(128), [], {"features": "kept"})
-        assert fixed["features"] == "kept" and fixed["fixed_config"].config == lowering.STRIDED_ROW_CONFIG
         for row in [
             strided(lowering.STRIDED_ROW_MAX * 2),  # persistent, Inductor's launch candidates
             Row(128),  # INNER: Inductor's own configurations
@@ -150,3 +153,62 @@ def test_strided_rows_stay_in_one_program_and_launch_with_the_fixed_configuratio
         assert ours.should_use_persistent_reduction(strided(lowering.STRIDED_ROW_MAX * 2), False)
         with torch._inductor.config.patch({"triton.persistent_reductions": False}):
             assert "fixed_config" not in ours.triton_kernel_kwargs(TritonKernel, strided(128), [], {})
+
+
+class RowNorm(torch.nn.Module):
+    """RMS-normalizes each 128-wide row of `x * scale` and adds every other entry of `offsets`: one
+    persistent reduction with a load strided along the row, a strided row (`persistent_rows`). A
+    `scale` of one value per row, (rows, 1), is a load indexed by the row alone; a 0-d one is not."""
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        n = x.float() * scale
+        return (n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + 1e-6) + offsets[:, 0]).to(torch.bfloat16)
+
+
+def row_norm(scale: torch.Tensor) -> torch.export.ExportedProgram:
+    """`RowNorm` exported with its rows dynamic, as a package's image tokens are."""
+    rows = torch.export.Dim("rows", min=16, max=4096)
+    inputs = (torch.randn(256, 128, dtype=torch.bfloat16), torch.randn(128, 2), scale)
+    return torch.export.export(RowNorm(), inputs, dynamic_shapes=({0: rows}, None, {0: rows} if scale.dim() else None))
+
+
+def written_on_a_cpu(compile_: Any, *args: Any, **kwargs: Any) -> str:
+    """Run `compile_(*args, **kwargs)` with Inductor writing Triton kernels for CPU tensors
+    (`cpu_backend="triton"`), as it writes them for a GPU's; returns the error it ended with. This
+    machine has no GPU driver, so Triton's compile stops it once the first kernel is written
+    ("0 active drivers")."""
+    with torch._inductor.config.patch(cpu_backend="triton"), pytest.raises(InductorError) as raised:
+        compile_(*args, **kwargs)
+    return str(raised.value)
+
+
+# Where a GPU driver is, Triton compiles the kernels written for the CPU tensors instead of stopping.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton stops for want of a GPU driver only on a CPU")
+
+
+@cpu_only
+def test_strided_rows_launch_fixed_unless_a_load_is_per_row(monkeypatch):
+    """Inductor's own kernel features, read by the choices `compile_package` compiles under."""
+    rows = type(lowering.persistent_rows())
+    given, real = [], rows.triton_kernel_kwargs
+    monkeypatch.setattr(rows, "triton_kernel_kwargs", lambda *args: given.append(real(*args)) or given[-1])
+    for scale, launch in [(torch.ones(()), lowering.STRIDED_ROW_CONFIG), (torch.rand(256, 1), None)]:
+        given.clear()
+        assert "active drivers" in written_on_a_cpu(compile_package, row_norm(scale))  # the kernel was written
+        assert [kwargs["fixed_config"].config if "fixed_config" in kwargs else None for kwargs in given] == [launch]
+
+
+@cpu_only
+def test_inductor_cannot_write_a_per_row_load_at_a_fixed_launch_of_one_row():
+    """Why `persistent_rows` leaves such kernels Inductor's launch (torch 2.11): forced to the fixed
+    launch, the same kernel fails in Inductor's code generation."""
+    from torch._inductor.codegen.triton import FixedTritonConfig
+
+    class Fixed(type(lowering.persistent_rows())):  # the same rows in registers, every launch fixed
+        def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
+            return {**kernel_kwargs, "fixed_config": FixedTritonConfig(dict(lowering.STRIDED_ROW_CONFIG))}
+
+    program = row_norm(torch.rand(256, 1))
+    with V.set_choices_handler(Fixed()), tempfile.TemporaryDirectory() as tmp:
+        error = written_on_a_cpu(torch._inductor.aoti_compile_and_package, program, package_path=f"{tmp}/p.pt2")
+    assert "TypeError: list indices must be integers or slices, not NoneType" in error
