@@ -1,19 +1,21 @@
 """What every package asks of Inductor, and the call that compiles one: `compile_package`.
 
-Three changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
+Four changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
 the settings in `INDUCTOR_CONFIGS` (and `FP8_INDUCTOR_CONFIGS` over them, per FP8 granularity), one
-heuristic in `persistent_rows`, and tanh-approximated GELU computed with the GPU's own tanh
-instruction (`gelu_tanh_approx`, `tanh_approx`) before Inductor lowers the graph.
+heuristic in `persistent_rows`, tanh-approximated GELU computed with the GPU's own tanh
+instruction (`gelu_tanh_approx`, `tanh_approx`) before Inductor lowers the graph, and min/max written
+as Triton's native NaN-propagating instructions (`native_min_max`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import tempfile
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -211,6 +213,38 @@ def _is_tanh_gelu(node: torch.fx.Node) -> bool:
     return node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none") == "tanh"
 
 
+@contextlib.contextmanager
+def native_min_max() -> Iterator[None]:
+    """While inside, Inductor writes a Triton kernel's elementwise min and max (clamps, ReLUs, a looped
+    max reduction's step) as Triton's native `tl.minimum`/`tl.maximum` with `tl.PropagateNan.ALL`, one
+    instruction on sm_80 and later (Triton emulates it before), where on CUDA it writes
+    `triton_helpers.minimum`/`maximum`: two compares, an or and a select. Both propagate NaN; they may
+    differ only in which zero two zeros of opposite sign give. Inductor writes the native form on ROCm
+    already, and pytorch/pytorch#190404 proposes it for CUDA. A persistent reduction's final max keeps
+    `triton_helpers.max2`, whose step the kernel's module cannot name natively.
+
+    It matters because the kernels that quantize a GEMM's input to FP8 compute more than they read: the
+    clamp to +-448 is two min/max an element. FLUX.1-dev's single block's `proj_out` input (GELU + cat +
+    row abs-max + FP8 cast, 4608 x 15360) ran at 71% of the H100's compute and 48% of its memory
+    throughput (Nsight Compute); written natively it took 81.9 against 103.6 us a call, with the same
+    FP8 values and scales, NaN rows included (H100, 2026-12-07). In the step: other kernels 17.1
+    against 18.6 ms, the step 81.3 against 82.3 ms, sm120's 91.6 against 92.6 ms (BENCHMARKS.md).
+
+    The patch is of `TritonOverrides`, process-wide; it nests (each exit restores what its entry
+    found), and `overlap.overlapped` runs a compile inside another's C++ build, after its code is
+    written, never beside it.
+    """
+    from torch._inductor.codegen.triton import TritonOverrides
+
+    saved = TritonOverrides.__dict__["minimum"], TritonOverrides.__dict__["maximum"]
+    TritonOverrides.minimum = staticmethod(lambda a, b: f"tl.minimum({a}, {b}, tl.PropagateNan.ALL)")
+    TritonOverrides.maximum = staticmethod(lambda a, b: f"tl.maximum({a}, {b}, tl.PropagateNan.ALL)")
+    try:
+        yield
+    finally:
+        TritonOverrides.minimum, TritonOverrides.maximum = saved
+
+
 def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = None) -> bytes:
     """AOTInductor-compile `exported` (after `decomposed`) into a weights-less `.pt2` package; returns
     its bytes. `fp8`: the FP8 granularity its linear layers were quantized at, or None; it picks the
@@ -227,7 +261,7 @@ def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = No
     exported = decomposed(exported)
     settings = {**INDUCTOR_CONFIGS, **FP8_INDUCTOR_CONFIGS.get(fp8, {})}
     settings["aot_inductor.model_name_for_generated_files"] = f"block_{uuid.uuid4().hex}"
-    with tempfile.TemporaryDirectory() as tmp, V.set_choices_handler(persistent_rows()):
+    with tempfile.TemporaryDirectory() as tmp, V.set_choices_handler(persistent_rows()), native_min_max():
         path = os.path.join(tmp, "package.pt2")
         torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=settings)
         with open(path, "rb") as f:

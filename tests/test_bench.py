@@ -140,7 +140,7 @@ def test_a_variant_runs_its_scenario_in_a_process_with_its_settings(tmp_path, mo
     # repository a plain group's names first, so its worker cannot import the engine, and the row says so.
     assert bench.group_env(["eager"], str(tmp_path))["PYTHONPATH"].startswith(str(bench.ROOT))
     args = argparse.Namespace(model=bench.RANDOM, size=256, steps=1, work=str(tmp_path), family=None, layers=None,
-                              heads=None, reference=False)
+                              heads=None, reference=False, top=3)
     (row,) = bench.run_group([f"eager@PYTHONPATH={tmp_path}"], args, tmp_path)
     assert row["scenario"] == f"eager@PYTHONPATH={tmp_path}"
     assert "No module named 'aot'" in row["error"]

@@ -214,6 +214,28 @@ def test_a_cuda_packages_tanh_gelu_runs_the_tanh_instruction_within_its_bound():
     assert error.max() > 3e-6, f"{error.max():.2e}: libdevice's tanhf ran, not the instruction"
 
 
+class MinMax(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.maximum(x, y), torch.minimum(x, y), x.clamp(-1, 1), torch.relu(y), x.abs().amax(-1)
+
+
+def test_a_cuda_packages_min_and_max_propagate_nan_and_infinities_as_eager():
+    """`lowering.native_min_max`: Triton's native min/max in a package give eager's values, NaN where
+    eager's is NaN, infinities clamped, in elementwise min/max, clamp, ReLU and a row's abs-max."""
+    from aot.lowering import compile_package
+    from aot.runner import bind
+
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 64, 4096, device="cuda"), torch.randn(2, 64, 4096, device="cuda")
+    x[0, 3, 7], y[0, 5, 9], x[1, 2, :3], y[1, 4, 1] = float("nan"), float("nan"), float("inf"), float("-inf")
+    x[1, 6, 0] = y[1, 6, 0] = float("nan")
+    module = MinMax()
+    runner, _ = bind(compile_package(torch.export.export(module, (x, y))), module)
+    for got, want in zip(runner(x, y), module(x, y), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert module(x, y)[0].isnan().sum() == 3 and module(x, y)[4].isnan().sum() == 2  # so NaN was there to keep
+
+
 def test_zerogpu_cards_plan_forced_on_this_gpu_times_sage_and_runs_row_scales_after_the_gemm():
     """sm_120 (ZeroGPU's RTX Pro 6000) cannot run FA3 or cuBLAS's row-wise scaled FP8; its plan tries
     sage, kept only where it beats SDPA here (on an H100, cuDNN's bf16 kernel is the faster:

@@ -26,9 +26,7 @@ class Row:
     """Stands in for the kernel features Inductor passes its choices (what the heuristics read), at
     FLUX's widths and hints, which no small graph gives; `RowNorm` below has Inductor pass its own."""
 
-    def __init__(
-        self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER, reductions: tuple = ()
-    ):
+    def __init__(self, width: int | sympy.Symbol, hint: ReductionHint = ReductionHint.INNER, reductions: tuple = ()):
         self.reduction_numel, self.hint = sympy.sympify(width), hint
         self.numel = 4608 * self.reduction_numel  # FLUX.1-dev's 4608 image tokens at 1024x1024
         self.reductions = reductions  # each reduction node's own hint
@@ -212,3 +210,49 @@ def test_inductor_cannot_write_a_per_row_load_at_a_fixed_launch_of_one_row():
     with V.set_choices_handler(Fixed()), tempfile.TemporaryDirectory() as tmp:
         error = written_on_a_cpu(torch._inductor.aoti_compile_and_package, program, package_path=f"{tmp}/p.pt2")
     assert "TypeError: list indices must be integers or slices, not NoneType" in error
+
+
+class RowQuantize(torch.nn.Module):
+    """torchao's row-wise FP8 quantization of an activation (a row's abs-max / 448, divide, clamp to
+    +-448, cast), what every FP8 GEMM's input kernel computes."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+        scale = _choose_scale_float8(x, [1, x.shape[-1]], torch.float8_e4m3fn)
+        return _quantize_affine_float8(x, scale, torch.float8_e4m3fn), scale
+
+
+def kernel_bodies(monkeypatch, compile_: Any, *args: Any) -> list[str]:
+    """The bodies of the Triton kernels Inductor writes for CPU tensors under `compile_(*args)`
+    (`written_on_a_cpu`), read off Inductor's own kernels as it finishes each (a spy on
+    `TritonKernel.codegen_kernel`, which writes the body before it stops for want of a driver)."""
+    from torch._inductor.codegen.triton import TritonKernel
+
+    kernels, real = [], TritonKernel.codegen_kernel
+    monkeypatch.setattr(TritonKernel, "codegen_kernel", lambda self, *a: kernels.append(self) or real(self, *a))
+    assert "active drivers" in written_on_a_cpu(compile_, *args)
+    return [str(kernel.body) + str(kernel.compute) for kernel in kernels]
+
+
+@cpu_only
+def test_a_packages_clamps_are_tritons_native_nan_propagating_min_and_max(monkeypatch):
+    program = torch.export.export(RowQuantize(), (torch.randn(64, 256, dtype=torch.bfloat16),))
+    (body,) = kernel_bodies(monkeypatch, compile_package, program)
+    assert body.count("tl.PropagateNan.ALL") == 2 and "tl.maximum(" in body and "tl.minimum(" in body, body
+    assert "triton_helpers.maximum" not in body and "triton_helpers.minimum" not in body
+    with tempfile.TemporaryDirectory() as tmp:  # Inductor's own, outside `compile_package`
+        (own,) = kernel_bodies(monkeypatch, torch._inductor.aoti_compile_and_package, program, f"{tmp}/p.pt2")
+    assert "triton_helpers.maximum" in own and "tl.PropagateNan" not in own
+
+
+def test_native_min_max_restores_inductors_own_when_left_even_by_an_error():
+    from torch._inductor.codegen.triton import TritonOverrides
+
+    own = TritonOverrides.maximum("a", "b"), TritonOverrides.minimum("a", "b")
+    with pytest.raises(RuntimeError, match="a compile failed"), lowering.native_min_max():
+        with lowering.native_min_max():  # nested, as a compile inside another's C++ build
+            assert TritonOverrides.maximum("a", "b") == "tl.maximum(a, b, tl.PropagateNan.ALL)"
+        assert TritonOverrides.minimum("a", "b") == "tl.minimum(a, b, tl.PropagateNan.ALL)"
+        raise RuntimeError("a compile failed")
+    assert (TritonOverrides.maximum("a", "b"), TritonOverrides.minimum("a", "b")) == own

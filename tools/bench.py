@@ -21,7 +21,8 @@ Space start), and the groups run one after another on the same GPU. Per scenario
                  while loading the weights; not part of ready s
     peak GiB     peak allocated GPU memory during that generation
     kernels      where one plain step's GPU time goes (CUDA only, torch.profiler): attention, GEMM and
-                 other kernels' ms by kernel name (`kernel_kind`); the rest of the step is time between kernels
+                 other kernels' ms by kernel name (`kernel_kind`), and the line keeps each kind's `--top`
+                 longest; the rest of the step is time between kernels
     graphed step one CUDA graph replay under torch.profiler (`timeline`): the GPU's busy time, the time
                  between its operations and the part of it at memsets; the profiler slows the replay, so
                  its span is not the step's time
@@ -444,9 +445,10 @@ def device_events(fn) -> list[tuple[str, float, float]] | None:
     return sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1])
 
 
-def kernel_ms(fn) -> tuple[dict[str, float], dict[str, list[str]]] | None:
+def kernel_ms(fn, top: int = 3) -> tuple[dict[str, float], dict[str, list[str]]] | None:
     """GPU time of one call of `fn()` by `kernel_kind` (ms, from `device_events`), and each kind's
-    three longest kernels ("name ms"); None without CUDA."""
+    `top` longest kernels ("name ms", each name's calls summed, the name cut at 200 characters); None
+    without CUDA."""
     events = device_events(fn)
     if events is None:
         return None
@@ -457,7 +459,7 @@ def kernel_ms(fn) -> tuple[dict[str, float], dict[str, list[str]]] | None:
         totals[kind] += ms
         longest[kind][name] = longest[kind].get(name, 0.0) + ms
     top = {
-        kind: [f"{name[:90]} {ms:.2f}" for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:3]]
+        kind: [f"{name[:200]} {ms:.2f}" for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:top]]
         for kind, names in longest.items()
     }
     return totals, top
@@ -545,7 +547,7 @@ def measure(pipe, row: dict, args, reference: torch.Tensor | None, graphs: bool)
     with torch.no_grad():
         row["step_ms"] = median_ms(step)
         try:  # the breakdown explains the step; a profiler that fails must not lose the step's numbers
-            kernels = kernel_ms(step)
+            kernels = kernel_ms(step, args.top)
         except Exception as exc:
             kernels, row["kernels_error"] = None, f"{type(exc).__name__}: {exc}"
     if kernels:
@@ -994,6 +996,7 @@ def _shared_flags(args) -> list[str]:
     flags += ["--family", args.family] if args.family else []
     flags += ["--layers", str(args.layers)] if args.layers is not None else []
     flags += ["--reference"] if args.reference else []
+    flags += ["--top", str(args.top)]
     return flags + (["--heads", str(args.heads)] if args.heads is not None else [])
 
 
@@ -1135,6 +1138,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--top", type=int, default=3, help="longest kernels of each kind kept in the line (default 3)")
     parser.add_argument("--logs", default=None, help="folder for each group's log (default: a temporary one)")
     parser.add_argument(
         "--results",
