@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import tempfile
+import threading
 import uuid
 from typing import Any, Iterator
 
@@ -215,13 +216,14 @@ def _is_tanh_gelu(node: torch.fx.Node) -> bool:
 
 @contextlib.contextmanager
 def native_min_max() -> Iterator[None]:
-    """While inside, Inductor writes a Triton kernel's elementwise min and max (clamps, ReLUs, a looped
-    max reduction's step) as Triton's native `tl.minimum`/`tl.maximum` with `tl.PropagateNan.ALL`, one
-    instruction on sm_80 and later (Triton emulates it before), where on CUDA it writes
-    `triton_helpers.minimum`/`maximum`: two compares, an or and a select. Both propagate NaN; they may
-    differ only in which zero two zeros of opposite sign give. Inductor writes the native form on ROCm
-    already, and pytorch/pytorch#190404 proposes it for CUDA. A persistent reduction's final max keeps
-    `triton_helpers.max2`, whose step the kernel's module cannot name natively.
+    """While inside, on this thread, Inductor writes a Triton kernel's elementwise min and max (clamps,
+    ReLUs, a looped max reduction's step) as Triton's native `tl.minimum`/`tl.maximum` with
+    `tl.PropagateNan.ALL`, one instruction on sm_80 and later (Triton emulates it before), where on CUDA
+    it writes `triton_helpers.minimum`/`maximum`: two compares, an or and a select. Both propagate NaN
+    from either operand. They differ only between zeros of opposite sign: the native max of -0 and +0 is
+    +0, so a ReLU of -0.0 gives +0.0 where Inductor's (and eager) give -0.0. Inductor writes the native
+    form on ROCm already, and pytorch/pytorch#190404 proposes it for CUDA. A persistent reduction's final
+    max keeps `triton_helpers.max2`, whose step the kernel's module cannot name natively.
 
     It matters because the kernels that quantize a GEMM's input to FP8 compute more than they read: the
     clamp to +-448 is two min/max an element. FLUX.1-dev's single block's `proj_out` input (GELU + cat +
@@ -230,19 +232,37 @@ def native_min_max() -> Iterator[None]:
     FP8 values and scales, NaN rows included (H100, 2026-12-07). In the step: other kernels 17.1
     against 18.6 ms, the step 81.3 against 82.3 ms, sm120's 91.6 against 92.6 ms (BENCHMARKS.md).
 
-    The patch is of `TritonOverrides`, process-wide; it nests (each exit restores what its entry
-    found), and `overlap.overlapped` runs a compile inside another's C++ build, after its code is
-    written, never beside it.
+    `TritonOverrides` gets, once a process, methods that write the native form on a thread inside and
+    Inductor's own elsewhere: a compile on another thread (`overlap.overlapped`'s next class enters its
+    own) or a user's `torch.compile` beside it is Inductor's. Nests; an error leaves it as entered.
     """
-    from torch._inductor.codegen.triton import TritonOverrides
-
-    saved = TritonOverrides.__dict__["minimum"], TritonOverrides.__dict__["maximum"]
-    TritonOverrides.minimum = staticmethod(lambda a, b: f"tl.minimum({a}, {b}, tl.PropagateNan.ALL)")
-    TritonOverrides.maximum = staticmethod(lambda a, b: f"tl.maximum({a}, {b}, tl.PropagateNan.ALL)")
+    _teach_native_min_max()
+    outer = getattr(_NATIVE, "on", False)
+    _NATIVE.on = True
     try:
         yield
     finally:
-        TritonOverrides.minimum, TritonOverrides.maximum = saved
+        _NATIVE.on = outer
+
+
+_NATIVE = threading.local()  # .on: this thread is inside `native_min_max`
+
+
+@functools.cache
+def _teach_native_min_max() -> None:
+    """Give `TritonOverrides` a `minimum` and `maximum` that write the native form inside
+    `native_min_max` and call Inductor's own otherwise. Once a process."""
+    from torch._inductor.codegen.triton import TritonOverrides
+
+    def written(name: str) -> Any:
+        own = getattr(TritonOverrides, name)
+
+        def write(a: Any, b: Any) -> str:
+            return f"tl.{name}({a}, {b}, tl.PropagateNan.ALL)" if getattr(_NATIVE, "on", False) else own(a, b)
+
+        return staticmethod(write)
+
+    TritonOverrides.minimum, TritonOverrides.maximum = written("minimum"), written("maximum")
 
 
 def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = None) -> bytes:

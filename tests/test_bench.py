@@ -184,3 +184,9 @@ def test_a_kept_work_folder_holds_the_run_and_must_be_new_or_empty(tmp_path):
             bench.main([*run, "--keep", str(taken)])
         assert exit_.value.code == 2
         assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_kernel_list_of_no_kernels_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--scenarios", "eager", "--top", "0", "--results", ""])
+    assert exit_.value.code == 2 and "--top: 0 kernels; give at least 1" in capsys.readouterr().err

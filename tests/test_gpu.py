@@ -219,14 +219,17 @@ class MinMax(torch.nn.Module):
         return torch.maximum(x, y), torch.minimum(x, y), x.clamp(-1, 1), torch.relu(y), x.abs().amax(-1)
 
 
-def test_a_cuda_packages_min_and_max_propagate_nan_and_infinities_as_eager():
+@pytest.mark.parametrize("width", [4096, 20000])
+def test_a_cuda_packages_min_and_max_propagate_nan_and_infinities_as_eager(width):
     """`lowering.native_min_max`: Triton's native min/max in a package give eager's values, NaN where
-    eager's is NaN, infinities clamped, in elementwise min/max, clamp, ReLU and a row's abs-max."""
+    eager's is NaN, infinities clamped, in elementwise min/max, clamp, ReLU and a row's abs-max: a
+    persistent reduction at 4096 wide, a looped one (whose step is a native max) past
+    `lowering.PERSISTENT_ROW_MAX`."""
     from aot.lowering import compile_package
     from aot.runner import bind
 
     torch.manual_seed(0)
-    x, y = torch.randn(2, 64, 4096, device="cuda"), torch.randn(2, 64, 4096, device="cuda")
+    x, y = torch.randn(2, 64, width, device="cuda"), torch.randn(2, 64, width, device="cuda")
     x[0, 3, 7], y[0, 5, 9], x[1, 2, :3], y[1, 4, 1] = float("nan"), float("nan"), float("inf"), float("-inf")
     x[1, 6, 0] = y[1, 6, 0] = float("nan")
     module = MinMax()

@@ -1,6 +1,7 @@
 """aot/lowering.py on the CPU: the heuristic and the decomposition every package compiles with."""
 
 import tempfile
+import threading
 from typing import Any
 
 import pytest
@@ -246,13 +247,19 @@ def test_a_packages_clamps_are_tritons_native_nan_propagating_min_and_max(monkey
     assert "triton_helpers.maximum" in own and "tl.PropagateNan" not in own
 
 
-def test_native_min_max_restores_inductors_own_when_left_even_by_an_error():
+def test_native_min_max_is_this_threads_alone_and_left_as_entered_even_by_an_error():
     from torch._inductor.codegen.triton import TritonOverrides
 
     own = TritonOverrides.maximum("a", "b"), TritonOverrides.minimum("a", "b")
+    assert own == ("triton_helpers.maximum(a, b)", "triton_helpers.minimum(a, b)")
+    beside: list[str] = []
     with pytest.raises(RuntimeError, match="a compile failed"), lowering.native_min_max():
         with lowering.native_min_max():  # nested, as a compile inside another's C++ build
             assert TritonOverrides.maximum("a", "b") == "tl.maximum(a, b, tl.PropagateNan.ALL)"
         assert TritonOverrides.minimum("a", "b") == "tl.minimum(a, b, tl.PropagateNan.ALL)"
+        thread = threading.Thread(target=lambda: beside.append(TritonOverrides.maximum("a", "b")))
+        thread.start()
+        thread.join()
         raise RuntimeError("a compile failed")
     assert (TritonOverrides.maximum("a", "b"), TritonOverrides.minimum("a", "b")) == own
+    assert beside == [own[0]]  # a compile on another thread meanwhile: Inductor's own

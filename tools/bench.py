@@ -458,11 +458,11 @@ def kernel_ms(fn, top: int = 3) -> tuple[dict[str, float], dict[str, list[str]]]
         kind, ms = kernel_kind(name), (end - start) / 1e3
         totals[kind] += ms
         longest[kind][name] = longest[kind].get(name, 0.0) + ms
-    top = {
+    named = {
         kind: [f"{name[:200]} {ms:.2f}" for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:top]]
         for kind, names in longest.items()
     }
-    return totals, top
+    return totals, named
 
 
 def timeline(events: list[tuple[str, float, float]]) -> dict[str, float | int]:
@@ -1154,6 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top: {args.top} kernels; give at least 1")
     global REFERENCE
     REFERENCE = args.reference
     if args.worker:
