@@ -221,7 +221,7 @@ def native_min_max() -> Iterator[None]:
     `tl.PropagateNan.ALL`, one instruction on sm_80 and later (Triton emulates it before), where on CUDA
     it writes `triton_helpers.minimum`/`maximum`: two compares, an or and a select. Both propagate NaN
     from either operand. They differ only between zeros of opposite sign: the native max of -0 and +0 is
-    +0, so a ReLU of -0.0 gives +0.0 where Inductor's (and eager) give -0.0. Inductor writes the native
+    +0, so a ReLU of -0.0 gives +0.0 where Inductor's own gives -0.0. Inductor writes the native
     form on ROCm already, and pytorch/pytorch#190404 proposes it for CUDA. A persistent reduction's final
     max keeps `triton_helpers.max2`, whose step the kernel's module cannot name natively.
 
