@@ -445,7 +445,7 @@ def device_events(fn) -> list[tuple[str, float, float]] | None:
     return sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1])
 
 
-def kernel_ms(fn, top: int = 3) -> tuple[dict[str, float], dict[str, list[str]]] | None:
+def kernel_ms(fn, top: int) -> tuple[dict[str, float], dict[str, list[str]]] | None:
     """GPU time of one call of `fn()` by `kernel_kind` (ms, from `device_events`), and each kind's
     `top` longest kernels ("name ms", each name's calls summed, the name cut at 200 characters); None
     without CUDA."""
