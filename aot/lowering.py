@@ -135,12 +135,16 @@ def persistent_rows() -> Any:
     `STRIDED_ROW_MAX` wide such a kernel launches with `STRIDED_ROW_CONFIG`, fixed at compile time
     (`triton_kernel_kwargs`, Inductor's hook for fixed configurations): Inductor's own candidates
     for them are slower than its looped reduction. A kernel that loads a value per row (a row's scale,
-    `row_indexed_loads`) keeps Inductor's launch: Inductor cannot write it at the fixed one.
+    `row_indexed_loads`) keeps Inductor's launch: Inductor cannot write it at the fixed one. A row
+    that every read of the kernel walks with stride 1 counts too, whatever its hint (`contiguous_rows`):
+    Inductor hints DEFAULT where the row comes through a `cat` it fuses into the reduction, such as
+    the abs-max over each head's row of FLUX's joint V (`fa3.quantize_per_head`), and loops over it.
 
     Measured on an H100 (BENCHMARKS.md, "Persistent row reductions"): up to 4096, FLUX.1-dev's step
     took 93.7-94.0 against 95.0-95.4 ms and FLUX.2 klein's 39.8 against 40.9 ms. Up to 16384, the
     single block's GELU + abs-max + cast kernel took 122 against 140 us with its GELU as a sigmoid
-    (before `gelu_tanh_approx`); with tanhf, the wider limit made it slower.
+    (before `gelu_tanh_approx`); with tanhf, the wider limit made it slower. Rows read contiguously
+    through a `cat`: the double block's V abs-max took 0.24 against 0.66 ms a step looped (2026-12-07).
     """
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
@@ -152,6 +156,23 @@ def persistent_rows() -> Any:
         only up to 64 wide."""
         reductions = features.reduction_nodes()
         return bool(reductions) and all(features.reduction_hint(n) == ReductionHint.INNER for n in reductions)
+
+    def contiguous_rows(features: Any) -> bool:
+        """Every read of the kernel that moves along the row moves by one element a step: a row of
+        contiguous elements, whatever hint Inductor derived (it derives none through a `cat`'s
+        piecewise index)."""
+        import sympy
+        from torch._inductor.codegen.simd_kernel_features import MemoryEstimator
+
+        estimate = MemoryEstimator(features, (features.numel, features.reduction_numel))
+        column = estimate.symbols[1]
+        steps = [
+            sympy.simplify(dep.index.subs(column, column + 1) - dep.index)
+            for deps in estimate.persistent.reads.values()
+            for dep in deps
+            if column in dep.index.free_symbols
+        ]
+        return bool(steps) and all(step == 1 for step in steps)
 
     def row_indexed_loads(features: Any) -> bool:
         """Some load of the kernel is indexed by the row alone, one value per row, such as a row's
@@ -173,7 +194,11 @@ def persistent_rows() -> Any:
         return (
             config.triton.persistent_reductions  # Inductor's own off switch still turns them off
             and not cooperative_reduction
-            and (features.get_reduction_hint() == ReductionHint.INNER or strided_rows(features))
+            and (
+                features.get_reduction_hint() == ReductionHint.INNER
+                or strided_rows(features)
+                or contiguous_rows(features)
+            )
             and width.is_number
             and int(width) <= PERSISTENT_ROW_MAX
         )
@@ -190,7 +215,8 @@ def persistent_rows() -> Any:
 
             if (
                 features.get_reduction_hint() != ReductionHint.INNER
-                and rows_in_registers(features, config.triton.cooperative_reductions)  # so `strided_rows`
+                and strided_rows(features)
+                and rows_in_registers(features, config.triton.cooperative_reductions)
                 and int(features.reduction_numel) <= STRIDED_ROW_MAX
                 and not row_indexed_loads(features)
             ):

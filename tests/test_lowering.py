@@ -1,5 +1,6 @@
 """aot/lowering.py on the CPU: the heuristic and the decomposition every package compiles with."""
 
+import re
 import tempfile
 import threading
 from typing import Any
@@ -31,6 +32,13 @@ class Row:
         self.reduction_numel, self.hint = sympy.sympify(width), hint
         self.numel = 4608 * self.reduction_numel  # FLUX.1-dev's 4608 image tokens at 1024x1024
         self.reductions = reductions  # each reduction node's own hint
+        self.node_schedule: list = []  # no nodes, so no reads: `persistent_rows` finds no contiguous row
+
+    def is_reduction(self) -> bool:
+        return True
+
+    def scheduler_nodes(self) -> list:
+        return self.node_schedule
 
     def get_reduction_hint(self) -> ReductionHint:
         return self.hint
@@ -263,3 +271,28 @@ def test_native_min_max_is_this_threads_alone_and_left_as_entered_even_by_an_err
         raise RuntimeError("a compile failed")
     assert (TritonOverrides.maximum("a", "b"), TritonOverrides.minimum("a", "b")) == own
     assert beside == [own[0]]  # a compile on another thread meanwhile: Inductor's own
+
+
+class HeadRowMax(torch.nn.Module):
+    """The abs-max over each 128-wide head row of two streams joined along the tokens, as
+    `fa3.quantize_per_head` computes it for FLUX's joint V (text and image)."""
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        return torch.cat([text, image], 1).unflatten(-1, (-1, 128)).abs().amax(-1)
+
+
+@cpu_only
+def test_a_row_joined_by_a_cat_stays_in_one_program(monkeypatch):
+    """A GPU lowering writes such a cat as a pointwise `where` inside the reduction, and Inductor then
+    hints DEFAULT and loops over the 128-wide rows; a CPU lowering copies the cat out first unless
+    told otherwise (`force_pointwise_cat`), so the test tells it."""
+    tokens = torch.export.Dim("tokens", min=16, max=4096)
+    inputs = (torch.randn(1, 16, 256, dtype=torch.bfloat16), torch.randn(1, 64, 256, dtype=torch.bfloat16))
+    program = torch.export.export(HeadRowMax(), inputs, dynamic_shapes=(None, {1: tokens}))
+    with torch._inductor.config.patch(force_pointwise_cat=True):
+        (ours,) = kernel_bodies(monkeypatch, compile_package, program)
+        with tempfile.TemporaryDirectory() as tmp:
+            (own,) = kernel_bodies(monkeypatch, torch._inductor.aoti_compile_and_package, program, f"{tmp}/p.pt2")
+    accumulator = re.compile(r"_tmp\d+ = tl.full")  # what a looped reduction carries from step to step
+    assert "tl.where(" in ours and not accumulator.search(ours), ours  # the cat inside, the row read once
+    assert accumulator.search(own), own  # Inductor's own choice loops
