@@ -194,13 +194,13 @@ def persistent_rows() -> Any:
         return (
             config.triton.persistent_reductions  # Inductor's own off switch still turns them off
             and not cooperative_reduction
+            and width.is_number
+            and int(width) <= PERSISTENT_ROW_MAX
             and (
                 features.get_reduction_hint() == ReductionHint.INNER
                 or strided_rows(features)
-                or contiguous_rows(features)
+                or contiguous_rows(features)  # last: it simulates the kernel's loads
             )
-            and width.is_number
-            and int(width) <= PERSISTENT_ROW_MAX
         )
 
     class PersistentRows(InductorChoices):
