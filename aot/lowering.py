@@ -157,21 +157,23 @@ def persistent_rows() -> Any:
         reductions = features.reduction_nodes()
         return bool(reductions) and all(features.reduction_hint(n) == ReductionHint.INNER for n in reductions)
 
+    def read_indices(features: Any) -> tuple[Any, Any, list[Any]]:
+        """The kernel's row and column symbols and the index of each of its reads, as Inductor's
+        memory estimate of the kernel, persistent, simulates them."""
+        from torch._inductor.codegen.simd_kernel_features import MemoryEstimator
+
+        estimate = MemoryEstimator(features, (features.numel, features.reduction_numel))
+        row, column = estimate.symbols
+        return row, column, [dep.index for deps in estimate.persistent.reads.values() for dep in deps]
+
     def contiguous_rows(features: Any) -> bool:
         """Every read of the kernel that moves along the row moves by one element a step: a row of
         contiguous elements, whatever hint Inductor derived (it derives none through a `cat`'s
         piecewise index)."""
         import sympy
-        from torch._inductor.codegen.simd_kernel_features import MemoryEstimator
 
-        estimate = MemoryEstimator(features, (features.numel, features.reduction_numel))
-        column = estimate.symbols[1]
-        steps = [
-            sympy.simplify(dep.index.subs(column, column + 1) - dep.index)
-            for deps in estimate.persistent.reads.values()
-            for dep in deps
-            if column in dep.index.free_symbols
-        ]
+        _, column, indices = read_indices(features)
+        steps = [sympy.simplify(i.subs(column, column + 1) - i) for i in indices if column in i.free_symbols]
         return bool(steps) and all(step == 1 for step in steps)
 
     def row_indexed_loads(features: Any) -> bool:
@@ -179,15 +181,8 @@ def persistent_rows() -> Any:
         scale. At a fixed launch of one row a program Inductor drops the row dimension from the
         kernel's tensors (`no_x_dim`) and then cannot write such a load: torch 2.11's
         `TritonSymbols.get_block_shape` raises a TypeError (tests/test_lowering.py writes one on a CPU)."""
-        from torch._inductor.codegen.simd_kernel_features import MemoryEstimator
-
-        estimate = MemoryEstimator(features, (features.numel, features.reduction_numel))
-        row, column = estimate.symbols
-        return any(
-            row in dep.index.free_symbols and column not in dep.index.free_symbols
-            for deps in estimate.persistent.reads.values()
-            for dep in deps
-        )
+        row, column, indices = read_indices(features)
+        return any(row in i.free_symbols and column not in i.free_symbols for i in indices)
 
     def rows_in_registers(features: Any, cooperative_reduction: bool) -> bool:
         width = features.reduction_numel
