@@ -1,5 +1,6 @@
 """aot/lowering.py on the CPU: the heuristic and the decomposition every package compiles with."""
 
+import copy
 import re
 import tempfile
 import threading
@@ -233,7 +234,7 @@ class RowQuantize(torch.nn.Module):
 
 
 def kernel_bodies(monkeypatch, compile_: Any, *args: Any) -> list[str]:
-    """The bodies of the Triton kernels Inductor writes for CPU tensors under `compile_(*args)`
+    """The loads and bodies of the Triton kernels Inductor writes for CPU tensors under `compile_(*args)`
     (`written_on_a_cpu`), read off Inductor's own kernels as it finishes each (a spy on
     `TritonKernel.codegen_kernel`, which writes the body before it stops for want of a driver)."""
     from torch._inductor.codegen.triton import TritonKernel
@@ -241,7 +242,7 @@ def kernel_bodies(monkeypatch, compile_: Any, *args: Any) -> list[str]:
     kernels, real = [], TritonKernel.codegen_kernel
     monkeypatch.setattr(TritonKernel, "codegen_kernel", lambda self, *a: kernels.append(self) or real(self, *a))
     assert "active drivers" in written_on_a_cpu(compile_, *args)
-    return [str(kernel.body) + str(kernel.compute) for kernel in kernels]
+    return [str(kernel.loads) + str(kernel.body) + str(kernel.compute) for kernel in kernels]
 
 
 @cpu_only
@@ -296,3 +297,80 @@ def test_a_row_joined_by_a_cat_stays_in_one_program(monkeypatch):
     accumulator = re.compile(r"_tmp\d+ = tl.full")  # what a looped reduction carries from step to step
     assert "tl.where(" in ours and not accumulator.search(ours), ours  # the cat inside, the row read once
     assert accumulator.search(own), own  # Inductor's own choice loops
+
+
+class RotatedHeads(torch.nn.Module):
+    """FLUX's queries as diffusers makes them: each 128-wide head row RMS-normalized (`RMSNorm`, where
+    `normalized`), then rotated pairwise by RoPE (`apply_rotary_emb`); x (batch, seq, heads, 128), cos
+    and sin (seq, 128)."""
+
+    def __init__(self, normalized: bool = True):
+        from diffusers.models.normalization import RMSNorm
+
+        super().__init__()
+        self.norm = RMSNorm(128, eps=1e-6) if normalized else torch.nn.Identity()
+        if normalized:
+            torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        return apply_rotary_emb(self.norm(x), (cos, sin), sequence_dim=1)
+
+
+def rotated_heads_inputs(seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(1, seq, 2, 128, dtype=torch.bfloat16), torch.randn(seq, 128), torch.randn(seq, 128)
+
+
+def rotated_heads(normalized: bool = True) -> torch.export.ExportedProgram:
+    """`RotatedHeads` in bf16, exported with its tokens dynamic, as a package's are."""
+    seq = torch.export.Dim("seq", min=16, max=4096)
+    module = RotatedHeads(normalized).to(torch.bfloat16)
+    return torch.export.export(module, rotated_heads_inputs(32), dynamic_shapes=({1: seq}, {0: seq}, {0: seq}))
+
+
+def test_pair_rotations_become_flips_with_the_same_values_to_the_bit():
+    exported = rotated_heads()
+    before = str(exported.graph)
+    program = decomposed(exported)
+    targets = {node.target for node in program.graph.nodes}
+    assert aten.flip.default in targets and aten.stack.default not in targets
+    assert str(exported.graph) == before  # the program given is left as it was
+    inputs = rotated_heads_inputs(40)  # another token count in the range
+    assert torch.equal(program.module()(*inputs), exported.module()(*inputs))
+
+
+def test_stacks_that_are_not_a_pair_rotation_are_left_as_they_are():
+    class Other(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+            pairs = x.unflatten(-1, (2, -1))
+            return torch.cat(
+                [
+                    torch.stack([real, -imag], -1).flatten(-2),  # the other sign
+                    torch.stack([-imag, real], -2).flatten(-2),  # stacked along another dim
+                    torch.stack(list(pairs.unbind(-2)), -1).flatten(-2),  # halves, not neighbours
+                ],
+                -1,
+            )
+
+    exported = torch.export.export(Other(), (torch.randn(4, 8),))
+    assert decomposed(exported) is exported  # no tanh GELU, no rotation: nothing to rewrite
+    module = torch.fx.GraphModule(exported.graph_module, copy.deepcopy(exported.graph))
+    assert lowering.flip_pair_rotations(module) == 0
+
+
+@cpu_only
+def test_a_rotated_pair_is_one_load_of_its_other_entry(monkeypatch):
+    """Inductor writes `torch.stack` as loads masked by each entry's parity and a select between them;
+    the flip, as one unmasked load. Without the norm, which a CPU lowering writes as a kernel of its own
+    (the test's compile stops after the first kernel, `written_on_a_cpu`), and with the stack written
+    pointwise, as a GPU lowering writes it (`force_pointwise_cat`; a CPU lowering copies it out)."""
+    program = rotated_heads(normalized=False)
+    with torch._inductor.config.patch(force_pointwise_cat=True):  # as a GPU lowering writes a stack
+        (ours,) = kernel_bodies(monkeypatch, compile_package, program)
+        with tempfile.TemporaryDirectory() as tmp:
+            (own,) = kernel_bodies(monkeypatch, torch._inductor.aoti_compile_and_package, program, f"{tmp}/p.pt2")
+    by_parity = re.compile(r"tl\.load\(.*, tmp\d+")  # a load masked by a computed condition
+    assert by_parity.search(own), own
+    assert not by_parity.search(ours) and ours.count("tl.load(") < own.count("tl.load("), ours
