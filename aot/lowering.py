@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from aot.rotations import flip_pair_rotations, is_pair_rotation
+
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 # No C++ build flag: the precompiled header is built ahead outside these (`portability.precompile_headers`).
 INDUCTOR_CONFIGS: dict[str, Any] = {
@@ -52,8 +54,8 @@ PERSISTENT_ROW_MAX = 16384
 # q and k kernel. That kernel took 2.62 ms a step against 3.50 ms looped (H200, 2026-12-07); Inductor's
 # own candidates for such rows took 4.02 ms against 3.47 looped (H100) (BENCHMARKS.md, section (e)). Since
 # `flip_pair_rotations` FLUX's pairs are one unmasked load each: Inductor hints those rows INNER and picks its own
-# launch (2.59 ms a step, 8 rows and 2 warps, H100). Rows strided otherwise, such as by a RoPE the flip does not
-# match, still launch with this.
+# launch (2.59 ms a step, 8 rows and 2 warps, H100). Rows strided otherwise still launch with this, such as
+# Qwen-Image's q and k after the flip, whose RoPE factors are read at every other float.
 STRIDED_ROW_CONFIG = {"XBLOCK": 1, "num_warps": 1, "num_stages": 1}
 STRIDED_ROW_MAX = 256
 # sqrt(2 / pi): the constant of GELU's tanh approximation (torch.nn.GELU's docs).
@@ -229,72 +231,12 @@ def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedP
     """`exported` with `DECOMPOSITIONS` run on it and its pair rotations flipped (`flip_pair_rotations`);
     `exported` itself where it has neither a tanh GELU nor a pair rotation, the ops they rewrite (a
     re-trace costs 0.35-0.72 s per FLUX block class: BENCHMARKS.md). `exported` is left as it was."""
-    if not any(_is_tanh_gelu(node) or _rotated_pairs(node) is not None for node in exported.graph.nodes):
-        return exported
+    graphs = [m.graph for m in exported.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    if not any(_is_tanh_gelu(node) or is_pair_rotation(node) for graph in graphs for node in graph.nodes):
+        return exported  # (nested graphs: an autocast region's, which the decomposition inlines)
     program = exported.run_decompositions(DECOMPOSITIONS)  # a new program: its graph is ours to edit
     flip_pair_rotations(program.graph_module)
     return program
-
-
-def flip_pair_rotations(module: torch.fx.GraphModule) -> int:
-    """Rewrite each rotation of pairs, `stack([-x[..., 1], x[..., 0]], -1)` of `x.unbind(-1)` with x
-    (..., n, 2), as `flip(x, [-1]) * [-1, 1]`: the same values to the bit, a product by +-1 being exact.
-    That rotation is RoPE's in diffusers' `apply_rotary_emb` (FLUX.1, FLUX.2, Chroma). In a compiled
-    kernel the rounding of what follows may still differ where Triton fuses another multiply and add
-    into one: FLUX's FP8 q and k were not all equal to the bit, both within 2 of eager's (H100).
-
-    Inductor writes the stack as a select between two masked loads, one per parity, each with its own
-    copy of what makes x (a q or k norm); the flip is one load of the pair's other entry. In FLUX.1-dev's
-    double block the norms, RoPE and FP8 casts of q and k then took 1.45 against 2.80 ms a step, and the
-    step 82.5 against 83.9 ms (H100, 2026-12-07, BENCHMARKS.md "Pair rotations flipped").
-
-    Returns how many it rewrote; `module` is recompiled where any was."""
-    aten = torch.ops.aten
-    rewritten = 0
-    for node in list(module.graph.nodes):
-        pairs = _rotated_pairs(node)
-        if pairs is None:
-            continue
-        val = pairs.meta["val"]
-        with module.graph.inserting_before(node):
-            flipped = module.graph.call_function(aten.flip.default, (pairs, [-1]))
-            signs = module.graph.call_function(
-                aten.arange.start_step, (-1, 2, 2), {"dtype": val.dtype, "device": val.device}
-            )  # [-1, 1]
-            node.replace_all_uses_with(module.graph.call_function(aten.mul.Tensor, (flipped, signs)))
-        rewritten += 1
-    if rewritten:
-        module.graph.eliminate_dead_code()
-        module.recompile()
-    return rewritten
-
-
-def _rotated_pairs(node: torch.fx.Node) -> torch.fx.Node | None:
-    """x where `node` is `stack([-x[..., 1], x[..., 0]], -1)` of `x.unbind(-1)`, x (..., 2); else None."""
-    import operator
-
-    def is_call(n: Any, target: Any) -> bool:
-        return isinstance(n, torch.fx.Node) and n.target is target
-
-    if not is_call(node, torch.ops.aten.stack.default) or len(node.args[0]) != 2:
-        return None
-    (neg, real), dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if not is_call(neg, torch.ops.aten.neg.default):
-        return None
-    imag = neg.args[0]
-    if not (is_call(real, operator.getitem) and is_call(imag, operator.getitem)):
-        return None
-    unbind = real.args[0]
-    if imag.args[0] is not unbind or not is_call(unbind, torch.ops.aten.unbind.int):
-        return None
-    if (real.args[1], imag.args[1]) != (0, 1):
-        return None
-    pairs = unbind.args[0]
-    val = pairs.meta.get("val")
-    if val is None or val.dim() < 1 or val.shape[-1] != 2:
-        return None
-    unbind_dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
-    return pairs if unbind_dim % val.dim() == val.dim() - 1 and dim % val.dim() == val.dim() - 1 else None
 
 
 def _is_tanh_gelu(node: torch.fx.Node) -> bool:

@@ -17,7 +17,7 @@ from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
-from aot import lowering
+from aot import lowering, rotations
 from aot.blocks import rel_error
 from aot.lowering import compile_package, decomposed, gelu_tanh_approx
 from aot.runner import bind
@@ -340,6 +340,34 @@ def test_pair_rotations_become_flips_with_the_same_values_to_the_bit():
     assert torch.equal(program.module()(*inputs), exported.module()(*inputs))
 
 
+class ComplexRotatedHeads(torch.nn.Module):
+    """Qwen-Image's and Z-Image's RoPE: each head's pairs as complex numbers times `freqs` (seq, 64),
+    complex, as `apply_rotary_emb_qwen` computes them, inside an autocast region as Z-Image's blocks do
+    (torch.export keeps it a nested graph until the decomposition inlines it)."""
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+        with torch.amp.autocast("cuda", enabled=False):
+            return apply_rotary_emb_qwen(x, freqs, use_real=False)
+
+
+def complex_rotated_inputs(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(1, seq, 2, 128, dtype=torch.bfloat16), torch.polar(torch.ones(seq, 64), torch.randn(seq, 64))
+
+
+def test_complex_pair_rotations_become_real_flips_without_complex_ops():
+    seq = torch.export.Dim("seq", min=16, max=4096)
+    exported = torch.export.export(
+        ComplexRotatedHeads(), complex_rotated_inputs(32), dynamic_shapes=({1: seq}, {0: seq})
+    )
+    program = decomposed(exported)
+    targets = {node.target for node in program.graph.nodes}
+    assert aten.flip.default in targets and aten.view_as_complex.default not in targets
+    inputs = complex_rotated_inputs(40)  # within a bf16 rounding: the float32 products may round otherwise
+    torch.testing.assert_close(program.module()(*inputs), ComplexRotatedHeads()(*inputs), rtol=2**-8, atol=1e-5)
+
+
 def test_stacks_that_are_not_a_pair_rotation_are_left_as_they_are():
     class Other(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,7 +385,7 @@ def test_stacks_that_are_not_a_pair_rotation_are_left_as_they_are():
     exported = torch.export.export(Other(), (torch.randn(4, 8),))
     assert decomposed(exported) is exported  # no tanh GELU, no rotation: nothing to rewrite
     module = torch.fx.GraphModule(exported.graph_module, copy.deepcopy(exported.graph))
-    assert lowering.flip_pair_rotations(module) == 0
+    assert rotations.flip_pair_rotations(module) == 0
 
 
 @cpu_only
