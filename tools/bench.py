@@ -414,7 +414,7 @@ def queued_ms(fn, calls: int = 8, repeat: int = 5) -> float:
 # reduction kernels, whatever ops their names list (a RoPE and copy feeding FA3 is named
 # `block_<hex>_triton_red_fused__flash_attn_forward__to_copy_add_...`: the package's name first,
 # lowering.compile_package).
-FUSED = re.compile(r"(^|_)triton_(poi|red|per)_")
+FUSED = re.compile(r"(^|_)triton_(poi|red|per|unk)_")  # unk: no kind in its source, as a fixed launch
 KERNEL_KINDS = {
     "attention": ("flash", "fmha", "sdpa", "attention"),
     "gemm": ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "matmul"),
