@@ -4,7 +4,7 @@ Five changes from Inductor's defaults, each measured on FLUX.1-dev's compiled st
 the settings in `INDUCTOR_CONFIGS` (and `FP8_INDUCTOR_CONFIGS` over them, per FP8 granularity), one
 heuristic in `persistent_rows`, tanh-approximated GELU computed with the GPU's own tanh
 instruction (`gelu_tanh_approx`, `tanh_approx`) and RoPE's pair rotation as a flip
-(`flip_pair_rotations`), both before Inductor lowers the graph, and min/max written as Triton's native
+(`rotations.flip_pair_rotations`), both before Inductor lowers the graph, and min/max written as Triton's native
 NaN-propagating instructions (`native_min_max`).
 """
 
