@@ -76,7 +76,9 @@ def _is_call(node: Any, target: Any) -> bool:
 def _last_dim_of_pairs(node: torch.fx.Node, dim: int) -> bool:
     """`node` is a real tensor (..., 2) and `dim` names its last dim."""
     val = node.meta.get("val")
-    return val is not None and val.dim() >= 1 and val.shape[-1] == 2 and dim % val.dim() == val.dim() - 1
+    if val is None or val.is_complex() or val.dim() < 1 or val.shape[-1] != 2:
+        return False
+    return dim % val.dim() == val.dim() - 1
 
 
 def _stacked_pairs(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -382,10 +382,16 @@ def test_stacks_that_are_not_a_pair_rotation_are_left_as_they_are():
                 -1,
             )
 
-    exported = torch.export.export(Other(), (torch.randn(4, 8),))
-    assert decomposed(exported) is exported  # no tanh GELU, no rotation: nothing to rewrite
-    module = torch.fx.GraphModule(exported.graph_module, copy.deepcopy(exported.graph))
-    assert rotations.flip_pair_rotations(module) == 0
+    class ComplexPairs(torch.nn.Module):  # the rotation's form, over complex entries: no real [-1, 1] for them
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+            return torch.stack([-imag, real], -1).flatten(-2)
+
+    for module, x in ((Other(), torch.randn(4, 8)), (ComplexPairs(), torch.randn(4, 8, dtype=torch.complex64))):
+        exported = torch.export.export(module, (x,))
+        assert decomposed(exported) is exported  # no tanh GELU, no rotation: nothing to rewrite
+        graph_module = torch.fx.GraphModule(exported.graph_module, copy.deepcopy(exported.graph))
+        assert rotations.flip_pair_rotations(graph_module) == 0
 
 
 @cpu_only
