@@ -1,11 +1,12 @@
 """What every package asks of Inductor, and the call that compiles one: `compile_package`.
 
-Five changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
+Six changes from Inductor's defaults, each measured on FLUX.1-dev's compiled step (BENCHMARKS.md):
 the settings in `INDUCTOR_CONFIGS` (and `FP8_INDUCTOR_CONFIGS` over them, per FP8 granularity), one
 heuristic in `persistent_rows`, tanh-approximated GELU computed with the GPU's own tanh
 instruction (`gelu_tanh_approx`, `tanh_approx`) and RoPE's pair rotation as a flip
-(`rotations.flip_pair_rotations`), both before Inductor lowers the graph, and min/max written as Triton's native
-NaN-propagating instructions (`native_min_max`).
+(`rotations.flip_pair_rotations`), both before Inductor lowers the graph, min/max written as Triton's native
+NaN-propagating instructions (`native_min_max`), and one stored FP8 input for the GEMMs that read the same
+rows (`shared_inputs`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from aot.rotations import flip_pair_rotations, is_pair_rotation
+from aot.shared_inputs import has_common_subexpressions, merge_common_subexpressions, shared_exact_inputs
 
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 # No C++ build flag: the precompiled header is built ahead outside these (`portability.precompile_headers`).
@@ -228,14 +230,17 @@ def persistent_rows() -> Any:
 
 
 def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """`exported` with `DECOMPOSITIONS` run on it and its pair rotations flipped (`flip_pair_rotations`);
-    `exported` itself where it has neither a tanh GELU nor a pair rotation, the ops they rewrite (a
-    re-trace costs 0.35-0.72 s per FLUX block class: BENCHMARKS.md). `exported` is left as it was."""
+    """`exported` with `DECOMPOSITIONS` run on it, its pair rotations flipped (`flip_pair_rotations`) and
+    its common subexpressions merged (`merge_common_subexpressions`); `exported` itself where it has no
+    tanh GELU, no pair rotation and nothing to merge (a re-trace costs 0.35-0.72 s per FLUX block class:
+    BENCHMARKS.md). `exported` is left as it was."""
     graphs = [m.graph for m in exported.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
-    if not any(_is_tanh_gelu(node) or is_pair_rotation(node) for graph in graphs for node in graph.nodes):
+    rewrites = any(_is_tanh_gelu(node) or is_pair_rotation(node) for graph in graphs for node in graph.nodes)
+    if not rewrites and not has_common_subexpressions(exported.graph):
         return exported  # (nested graphs: an autocast region's, which the decomposition inlines)
     program = exported.run_decompositions(DECOMPOSITIONS)  # a new program: its graph is ours to edit
     flip_pair_rotations(program.graph_module)
+    merge_common_subexpressions(program.graph_module)
     return program
 
 
@@ -312,7 +317,12 @@ def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = No
     exported = decomposed(exported)
     settings = {**INDUCTOR_CONFIGS, **FP8_INDUCTOR_CONFIGS.get(fp8, {})}
     settings["aot_inductor.model_name_for_generated_files"] = f"block_{uuid.uuid4().hex}"
-    with tempfile.TemporaryDirectory() as tmp, V.set_choices_handler(persistent_rows()), native_min_max():
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        V.set_choices_handler(persistent_rows()),
+        native_min_max(),
+        shared_exact_inputs(),
+    ):
         path = os.path.join(tmp, "package.pt2")
         torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs=settings)
         with open(path, "rb") as f:

@@ -229,20 +229,28 @@ class RowQuantize(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
 
-        scale = _choose_scale_float8(x, [1, x.shape[-1]], torch.float8_e4m3fn)
+        scale = _choose_scale_float8(x, [1] * (x.dim() - 1) + [x.shape[-1]], torch.float8_e4m3fn)
         return _quantize_affine_float8(x, scale, torch.float8_e4m3fn), scale
 
 
 def kernel_bodies(monkeypatch, compile_: Any, *args: Any) -> list[str]:
-    """The loads and bodies of the Triton kernels Inductor writes for CPU tensors under `compile_(*args)`
-    (`written_on_a_cpu`), read off Inductor's own kernels as it finishes each (a spy on
-    `TritonKernel.codegen_kernel`, which writes the body before it stops for want of a driver)."""
+    """The loads, bodies, computations and stores of the Triton kernels Inductor writes for CPU tensors
+    under `compile_(*args)` (`written_on_a_cpu`), read off Inductor's own kernels as it finishes each (a
+    spy on `TritonKernel.codegen_kernel`, which writes the body before it stops for want of a driver;
+    the stores are read there, while the graph they name is being lowered)."""
     from torch._inductor.codegen.triton import TritonKernel
 
     kernels, real = [], TritonKernel.codegen_kernel
-    monkeypatch.setattr(TritonKernel, "codegen_kernel", lambda self, *a: kernels.append(self) or real(self, *a))
+
+    def spy(self: TritonKernel, *a: Any) -> Any:
+        try:
+            return real(self, *a)
+        finally:
+            kernels.append(str(self.loads) + str(self.body) + str(self.compute) + str(self.stores))
+
+    monkeypatch.setattr(TritonKernel, "codegen_kernel", spy)
     assert "active drivers" in written_on_a_cpu(compile_, *args)
-    return [str(kernel.loads) + str(kernel.body) + str(kernel.compute) for kernel in kernels]
+    return kernels
 
 
 @cpu_only
@@ -389,7 +397,7 @@ def test_stacks_that_are_not_a_pair_rotation_are_left_as_they_are():
 
     for module, x in ((Other(), torch.randn(4, 8)), (ComplexPairs(), torch.randn(4, 8, dtype=torch.complex64))):
         exported = torch.export.export(module, (x,))
-        assert decomposed(exported) is exported  # no tanh GELU, no rotation: nothing to rewrite
+        assert not any(rotations.is_pair_rotation(node) for node in exported.graph.nodes)
         graph_module = torch.fx.GraphModule(exported.graph_module, copy.deepcopy(exported.graph))
         assert rotations.flip_pair_rotations(graph_module) == 0
 
@@ -408,3 +416,50 @@ def test_a_rotated_pair_is_one_load_of_its_other_entry(monkeypatch):
     by_parity = re.compile(r"tl\.load\(.*, tmp\d+")  # a load masked by a computed condition
     assert by_parity.search(own), own
     assert not by_parity.search(ours) and ours.count("tl.load(") < own.count("tl.load("), ours
+
+
+class SharedRows(torch.nn.Module):
+    """Two FP8 linear layers reading the same normalized rows, each quantizing them as torchao's row-wise
+    FP8 does (`RowQuantize`), as FLUX's single block's to_q, to_k, to_v and proj_mlp do."""
+
+    def __init__(self, widths: tuple[int, ...] = (256, 512)):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(n, 256).to(torch.float8_e4m3fn), requires_grad=False) for n in widths
+        )
+        self.scales = torch.nn.ParameterList(torch.nn.Parameter(torch.rand(1, n), requires_grad=False) for n in widths)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = F.rms_norm(x, (x.shape[-1],))
+        products = []
+        for weight, scale in zip(self.weights, self.scales, strict=True):
+            quantized, row_scale = RowQuantize()(rows)
+            products.append(
+                torch._scaled_mm(
+                    quantized.reshape(-1, rows.shape[-1]),
+                    weight.t(),
+                    row_scale.reshape(-1, 1).float(),
+                    scale,
+                    out_dtype=torch.bfloat16,
+                )
+            )
+        return tuple(products)
+
+
+@cpu_only
+def test_rows_quantized_for_several_gemms_are_stored_once(monkeypatch):
+    """The graph quantizes the rows once per layer; the package's kernel stores the FP8 rows and their
+    scales once, where Inductor alone stores a copy of each for each `_scaled_mm` that reads them, from
+    one quantization as from two (`shared_inputs`).
+    Exported only: a CPU's `_scaled_mm` runs per-tensor scales alone, and the compile stops at the first
+    kernel (`written_on_a_cpu`), this one."""
+    program = torch.export.export(SharedRows(), (torch.randn(1, 64, 256, dtype=torch.bfloat16),))
+    gemms = [node for node in decomposed(program).graph.nodes if node.target is aten._scaled_mm.default]
+    assert len(gemms) == 2 and gemms[0].args[0] is gemms[1].args[0] and gemms[0].args[2] is gemms[1].args[2]
+    (ours,) = kernel_bodies(monkeypatch, compile_package, program)
+    own_compile = torch._inductor.aoti_compile_and_package
+    with tempfile.TemporaryDirectory() as tmp:  # Inductor's own, on the merged graph and on the program
+        (merged,) = kernel_bodies(monkeypatch, own_compile, decomposed(program), f"{tmp}/p.pt2")
+        (own,) = kernel_bodies(monkeypatch, own_compile, program, f"{tmp}/q.pt2")
+    assert ours.count("tl.store(") == 2, ours  # the FP8 rows, their scales
+    assert merged.count("tl.store(") == own.count("tl.store(") == 4, merged
