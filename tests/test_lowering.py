@@ -463,3 +463,18 @@ def test_rows_quantized_for_several_gemms_are_stored_once(monkeypatch):
         (own,) = kernel_bodies(monkeypatch, own_compile, program, f"{tmp}/q.pt2")
     assert ours.count("tl.store(") == 2, ours  # the FP8 rows, their scales
     assert merged.count("tl.store(") == own.count("tl.store(") == 4, merged
+
+
+def test_shared_exact_inputs_is_this_threads_alone_and_left_as_entered_even_by_an_error():
+    from aot.shared_inputs import _SHARED, shared_exact_inputs
+
+    beside: list[bool] = []
+    with pytest.raises(RuntimeError, match="a compile failed"), shared_exact_inputs():
+        with shared_exact_inputs():  # nested, as a compile inside another's C++ build
+            assert _SHARED.on
+        assert _SHARED.on
+        thread = threading.Thread(target=lambda: beside.append(getattr(_SHARED, "on", False)))
+        thread.start()
+        thread.join()
+        raise RuntimeError("a compile failed")
+    assert not _SHARED.on and beside == [False]  # a compile on another thread meanwhile: Inductor's own
