@@ -16,7 +16,6 @@ import functools
 import math
 import os
 import tempfile
-import threading
 import uuid
 from typing import Any, Iterator
 
@@ -24,6 +23,7 @@ import torch
 
 from aot.rotations import flip_pair_rotations, is_pair_rotation
 from aot.shared_inputs import has_common_subexpressions, merge_common_subexpressions, shared_exact_inputs
+from aot.thread_flags import ThreadFlag
 
 # Inductor settings for every package. Weights stay out of the package: each block binds its own.
 # No C++ build flag: the precompiled header is built ahead outside these (`portability.precompile_headers`).
@@ -273,15 +273,11 @@ def native_min_max() -> Iterator[None]:
     own) or a user's `torch.compile` beside it is Inductor's. Nests; an error leaves it as entered.
     """
     _teach_native_min_max()
-    outer = getattr(_NATIVE, "on", False)
-    _NATIVE.on = True
-    try:
+    with _NATIVE.entered():
         yield
-    finally:
-        _NATIVE.on = outer
 
 
-_NATIVE = threading.local()  # .on: this thread is inside `native_min_max`
+_NATIVE = ThreadFlag()  # on: this thread is inside `native_min_max`
 
 
 @functools.cache
@@ -294,7 +290,7 @@ def _teach_native_min_max() -> None:
         own = getattr(TritonOverrides, name)
 
         def write(a: Any, b: Any) -> str:
-            return f"tl.{name}({a}, {b}, tl.PropagateNan.ALL)" if getattr(_NATIVE, "on", False) else own(a, b)
+            return f"tl.{name}({a}, {b}, tl.PropagateNan.ALL)" if _NATIVE.on else own(a, b)
 
         return staticmethod(write)
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Iterator
 
 import torch
+
+from aot.thread_flags import ThreadFlag
 
 
 def has_common_subexpressions(graph: torch.fx.Graph) -> bool:
@@ -62,15 +63,11 @@ def shared_exact_inputs() -> Iterator[None]:
     that as a view, holding what the copy would have held (any other view would be copied anyway).
     Elsewhere Inductor's own constraint runs. Nests; an error leaves it as entered."""
     _teach_shared_exact_inputs()
-    outer = getattr(_SHARED, "on", False)
-    _SHARED.on = True
-    try:
+    with _SHARED.entered():
         yield
-    finally:
-        _SHARED.on = outer
 
 
-_SHARED = threading.local()  # .on: this thread is inside `shared_exact_inputs`
+_SHARED = ThreadFlag()  # on: this thread is inside `shared_exact_inputs`
 
 
 @functools.cache
@@ -83,7 +80,7 @@ def _teach_shared_exact_inputs() -> None:
     own = lowering.constrain_to_fake_tensor
 
     def constrain(arg: Any, fake_arg: Any) -> Any:
-        if getattr(_SHARED, "on", False) and isinstance(fake_arg, torch.Tensor) and fake_arg.is_contiguous():
+        if _SHARED.on and isinstance(fake_arg, torch.Tensor) and fake_arg.is_contiguous():
             _store_reshaped_buffer(arg)
         return own(arg, fake_arg)
 
