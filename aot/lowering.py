@@ -6,7 +6,9 @@ heuristic in `persistent_rows`, tanh-approximated GELU computed with the GPU's o
 instruction (`gelu_tanh_approx`, `tanh_approx`) and RoPE's pair rotation as a flip
 (`rotations.flip_pair_rotations`), both before Inductor lowers the graph, and min/max written as Triton's native
 NaN-propagating instructions (`native_min_max`). A sixth, one stored FP8 input for the GEMMs that read the same
-rows (`shared_inputs`), is checked on the kernels Inductor writes; its GPU time is not measured yet.
+rows (`shared_inputs`), is checked on the kernels Inductor writes; its GPU time is not measured yet. Where the
+plan or `norm_rope=on` asks, each head's RMS norm and RoPE are one call of a Triton kernel of ours instead
+(`norm_rope.fuse_norm_rope`); no plan asks before its step is measured.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from aot.norm_rope import fuse_norm_rope
 from aot.rotations import flip_pair_rotations, is_pair_rotation
 from aot.shared_inputs import has_common_subexpressions, merge_common_subexpressions, shared_exact_inputs
 from aot.thread_flags import ThreadFlag
@@ -229,8 +232,9 @@ def persistent_rows() -> Any:
     return PersistentRows()
 
 
-def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """`exported` with `DECOMPOSITIONS` run on it, its pair rotations flipped (`flip_pair_rotations`) and
+def decomposed(exported: torch.export.ExportedProgram, norm_rope: bool = False) -> torch.export.ExportedProgram:
+    """`exported` with `DECOMPOSITIONS` run on it, with `norm_rope` each head's norm and RoPE as one call of
+    norm_rope.py's kernel (`fuse_norm_rope`), the pair rotations left flipped (`flip_pair_rotations`) and
     its common subexpressions merged (`merge_common_subexpressions`); `exported` itself where it has no
     tanh GELU, no pair rotation and nothing to merge (a re-trace costs 0.35-0.72 s per FLUX block class:
     BENCHMARKS.md). `exported` is left as it was."""
@@ -239,6 +243,8 @@ def decomposed(exported: torch.export.ExportedProgram) -> torch.export.ExportedP
     if not rewrites and not has_common_subexpressions(exported.graph):
         return exported  # (nested graphs: an autocast region's, which the decomposition inlines)
     program = exported.run_decompositions(DECOMPOSITIONS)  # a new program: its graph is ours to edit
+    if norm_rope:
+        fuse_norm_rope(program.graph_module)
     flip_pair_rotations(program.graph_module)
     merge_common_subexpressions(program.graph_module)
     return program
@@ -297,10 +303,10 @@ def _teach_native_min_max() -> None:
     TritonOverrides.minimum, TritonOverrides.maximum = written("minimum"), written("maximum")
 
 
-def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = None) -> bytes:
-    """AOTInductor-compile `exported` (after `decomposed`) into a weights-less `.pt2` package; returns
-    its bytes. `fp8`: the FP8 granularity its linear layers were quantized at, or None; it picks the
-    settings `FP8_INDUCTOR_CONFIGS` holds for it over `INDUCTOR_CONFIGS`.
+def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = None, norm_rope: bool = False) -> bytes:
+    """AOTInductor-compile `exported` (after `decomposed`, `norm_rope` passed on) into a weights-less `.pt2`
+    package; returns its bytes. `fp8`: the FP8 granularity its linear layers were quantized at, or None; it
+    picks the settings `FP8_INDUCTOR_CONFIGS` holds for it over `INDUCTOR_CONFIGS`.
 
     Its generated files get a name of their own (`aot_inductor.model_name_for_generated_files`), not
     their code's hash: Inductor holds a file lock named after it through the C++ build, and the next
@@ -310,7 +316,7 @@ def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = No
     from torch._inductor.virtualized import V
 
     _lower_tanh_approx()
-    exported = decomposed(exported)
+    exported = decomposed(exported, norm_rope)
     settings = {**INDUCTOR_CONFIGS, **FP8_INDUCTOR_CONFIGS.get(fp8, {})}
     settings["aot_inductor.model_name_for_generated_files"] = f"block_{uuid.uuid4().hex}"
     with (

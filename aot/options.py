@@ -94,6 +94,15 @@ class Options:
             choices=("auto", *FP8_GRANULARITIES),
         ),
     )
+    norm_rope: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_NORM_ROPE",
+            "each head's RMS norm and RoPE in one Triton kernel of ours (aot/norm_rope.py) where attention reads"
+            " them directly, in place of Inductor's: on, off, or auto (the GPU's plan: plans.PLANS)",
+            choices=("auto", "on", "off"),
+        ),
+    )
     plan: str = field(
         default="auto",
         metadata=_option(

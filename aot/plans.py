@@ -35,7 +35,8 @@ class Plan:
     Each entry is a trial (export, compile, load, parity against eager) that falls back to the
     next with its reason: `attention` kernels, then `fp8` granularities (bf16 after the last).
     `cublaslt_workspace_kib`: the cuBLASLt workspace, KiB, the plan gives the process
-    (`set_cublaslt_workspace`); None leaves torch's.
+    (`set_cublaslt_workspace`); None leaves torch's. `norm_rope`: whether the blocks compute each head's
+    RMS norm and RoPE in norm_rope.py's kernel rather than Inductor's (`resolve_norm_rope`).
     """
 
     name: str  # "sm_90"
@@ -43,6 +44,9 @@ class Plan:
     fp8: tuple[str, ...]
     why: str  # where the order comes from
     cublaslt_workspace_kib: int | None = None
+    # No plan takes it before its step time is measured against Inductor's kernel (BENCHMARKS.md, "Each
+    # head's norm and RoPE in a kernel of ours"); `norm_rope=on` takes it on any GPU.
+    norm_rope: bool = False
 
 
 # The plan per GPU, keyed by compute capability (major, minor): the first row whose range holds the
@@ -250,7 +254,8 @@ class Trials:
     planned: the decision naming the GPU's plan (`resolve_plan`); attention, fp8: each fast path's
     walk (`attention_walk`, `fp8_walk`); graphs: whether the step runs as CUDA graphs on the
     device the transformer is on (`resolve_cuda_graphs`); fa3_kernel: where FA3 is loaded from
-    (`fa3.load_fa3`), for packages that call it.
+    (`fa3.load_fa3`), for packages that call it; norm_rope: whether the packages compute each head's
+    norm and RoPE in norm_rope.py's kernel (`resolve_norm_rope`).
     """
 
     planned: Decision
@@ -258,6 +263,7 @@ class Trials:
     fp8: Walk
     graphs: Decision
     fa3_kernel: str
+    norm_rope: Decision
 
     @classmethod
     def resolve(cls, options: Options, transformer: torch.nn.Module) -> Trials:
@@ -272,7 +278,8 @@ class Trials:
         plan, planned = resolve_plan(options, device)
         attention = attention_walk(options, plan, transformer, device)
         fp8 = fp8_walk(options, plan, device)
-        return cls(planned, attention, fp8, resolve_cuda_graphs(options, device), options.fa3_kernel)
+        graphs, norm_rope = resolve_cuda_graphs(options, device), resolve_norm_rope(options, plan)
+        return cls(planned, attention, fp8, graphs, options.fa3_kernel, norm_rope)
 
 
 @dataclass(frozen=True)
@@ -437,6 +444,18 @@ def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
         return Decision("cuda_graphs", "off", "requested", "off")
     problem = None if device.type == "cuda" else f"CUDA graphs need a CUDA GPU; the pipeline is on {device.type}"
     return _on_off_auto("cuda_graphs", options.cuda_graphs, problem)
+
+
+def resolve_norm_rope(options: Options, plan: Plan) -> Decision:
+    """Decide whether the packages compute each head's RMS norm and RoPE in norm_rope.py's Triton kernel
+    (`norm_rope.fuse_norm_rope`): as asked, or with `auto` as the plan says (`Plan.norm_rope`). Where a
+    package is compiled for a CPU, the kernel's place is taken by its torch reference, which Inductor
+    compiles as its own ops."""
+    if options.norm_rope != "auto":
+        return Decision("norm_rope", options.norm_rope, "requested", options.norm_rope)
+    if plan.norm_rope:
+        return Decision("norm_rope", "on", f"auto: plan {plan.name}", "auto")
+    return Decision("norm_rope", "off", f"auto: plan {plan.name} leaves each head's norm and RoPE to Inductor", "auto")
 
 
 def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:

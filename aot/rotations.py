@@ -26,7 +26,7 @@ aten = torch.ops.aten
 
 def is_pair_rotation(node: torch.fx.Node) -> bool:
     """Whether `node` ends a rotation of pairs that `flip_pair_rotations` rewrites."""
-    return _stacked_pairs(node) is not None or _complex_product(node) is not None
+    return stacked_pairs(node) is not None or complex_product(node) is not None
 
 
 def flip_pair_rotations(module: torch.fx.GraphModule) -> int:
@@ -48,7 +48,7 @@ def flip_pair_rotations(module: torch.fx.GraphModule) -> int:
     call = graph.call_function
     rewritten = 0
     for node in list(graph.nodes):
-        stacked, product = _stacked_pairs(node), _complex_product(node)
+        stacked, product = stacked_pairs(node), complex_product(node)
         if stacked is None and product is None:
             continue
         pairs = stacked if stacked is not None else product[0]
@@ -69,7 +69,7 @@ def flip_pair_rotations(module: torch.fx.GraphModule) -> int:
     return rewritten
 
 
-def _is_call(node: Any, target: Any) -> bool:
+def is_call(node: Any, target: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is target
 
 
@@ -81,18 +81,18 @@ def _last_dim_of_pairs(node: torch.fx.Node, dim: int) -> bool:
     return dim % val.dim() == val.dim() - 1
 
 
-def _stacked_pairs(node: torch.fx.Node) -> torch.fx.Node | None:
+def stacked_pairs(node: torch.fx.Node) -> torch.fx.Node | None:
     """x where `node` is `stack([-x[..., 1], x[..., 0]], -1)` of `x.unbind(-1)`, x (..., 2); else None."""
-    if not _is_call(node, aten.stack.default) or len(node.args[0]) != 2:
+    if not is_call(node, aten.stack.default) or len(node.args[0]) != 2:
         return None
     (neg, real), dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if not _is_call(neg, aten.neg.default):
+    if not is_call(neg, aten.neg.default):
         return None
     imag = neg.args[0]
-    if not (_is_call(real, operator.getitem) and _is_call(imag, operator.getitem)):
+    if not (is_call(real, operator.getitem) and is_call(imag, operator.getitem)):
         return None
     unbind = real.args[0]
-    if imag.args[0] is not unbind or not _is_call(unbind, aten.unbind.int) or (real.args[1], imag.args[1]) != (0, 1):
+    if imag.args[0] is not unbind or not is_call(unbind, aten.unbind.int) or (real.args[1], imag.args[1]) != (0, 1):
         return None
     pairs = unbind.args[0]
     unbind_dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
@@ -101,14 +101,14 @@ def _stacked_pairs(node: torch.fx.Node) -> torch.fx.Node | None:
     return pairs
 
 
-def _complex_product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+def complex_product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(x, f) where `node` is `view_as_real(view_as_complex(x) * f)` (either order), x a real float
     tensor (..., 2) and f complex; else None."""
-    if not _is_call(node, aten.view_as_real.default) or not _is_call(node.args[0], aten.mul.Tensor):
+    if not is_call(node, aten.view_as_real.default) or not is_call(node.args[0], aten.mul.Tensor):
         return None
     factors = node.args[0].args
     for complex_x, f in (factors, factors[::-1]):
-        if not (_is_call(complex_x, aten.view_as_complex.default) and isinstance(f, torch.fx.Node)):
+        if not (is_call(complex_x, aten.view_as_complex.default) and isinstance(f, torch.fx.Node)):
             continue
         pairs, f_val = complex_x.args[0], f.meta.get("val")
         if f_val is not None and f_val.is_complex() and _last_dim_of_pairs(pairs, -1):

@@ -75,6 +75,33 @@ def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_b
     low_precision_blocks_match_eager(Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off"))
 
 
+def test_the_norm_rope_kernel_matches_its_reference_at_fluxs_shape():
+    """norm_rope.py's kernel at FLUX.1-dev's single block, 1 x 4608 x 24 x 128, x a view of a wider GEMM
+    output, against its torch reference: each entry within one bf16 step of its row's largest (Triton may
+    fuse a multiply and an add that torch rounds apart), or one FP8 step (2^-3) where it casts to FP8; then
+    the wide pipeline's blocks compiled with it under FA3's FP8 forward against eager."""
+    from aot import norm_rope
+
+    torch.manual_seed(0)
+    x = (torch.randn(1, 4608, 3 * 3072, device="cuda", dtype=torch.bfloat16) * 3)[..., :3072].unflatten(-1, (24, 128))
+    weight = (torch.rand(128, device="cuda") + 0.5).to(torch.bfloat16)
+    angles = torch.randn(4608, 128, device="cuda") * 10
+    cos, sin = (t[None, :, None] for t in (angles.cos(), angles.sin()))
+    pairs = torch.view_as_real(torch.polar(torch.ones_like(angles[:, ::2]), angles[:, ::2]))[:, None]
+    for dtype, step in ((torch.bfloat16, 2**-7), (torch.float8_e4m3fn, 2**-3)):
+        for round_first in (False, True):
+            real = norm_rope.norm_rope_real(x, weight, 1e-6, cos, sin, dtype, round_first)
+            complex_ = norm_rope.norm_rope_complex(x, weight, 1e-6, pairs, dtype, round_first)
+            cases = {"real": (real, (cos, sin)), "complex": (complex_, (pairs.flatten(-2), None))}
+            for form, (got, factors) in cases.items():
+                ref = norm_rope.reference(x, weight, 1e-6, *factors, dtype, round_first).float()
+                far = (got.float() - ref).abs() > step * ref.abs().amax(-1, keepdim=True)
+                equal = (got.float() == ref).float().mean().item()
+                print(f"norm_rope {form} {dtype} round_first={round_first}: {equal:.4f} equal to the reference")
+                assert not far.any(), (form, dtype, round_first, far.float().mean().item())
+    low_precision_blocks_match_eager(Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off", norm_rope="on"))
+
+
 def low_precision_blocks_match_eager(options: Options, sizes=((1024, 768),)) -> None:
     """The wide pipeline's blocks compiled with the attention `options` asks for (FP8 attention: held
     to the FP8 bound) against its eager images at each of `sizes`."""
@@ -247,7 +274,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_times_sage_and_runs_row_scales_af
     pipe = wide_pipeline()
     expected = images(pipe)
     compiled = compile_blocks(*decided(pipe, Options(plan="12.0", fa3_kernel=FA3_KERNEL)))
-    plan, attention, fp8 = compiled.decisions
+    plan, attention, fp8, _ = compiled.decisions
     print(attention)
     assert (plan.value, fp8.value) == ("sm_120", "row-after"), compiled.decisions
     assert attention.value in ("sage", "sdpa"), compiled.decisions

@@ -1,0 +1,289 @@
+"""Each head's RMS norm and RoPE in norm_rope.py's Triton kernel, on a CPU: its torch reference against
+diffusers' own ops, the kernel run by Triton's interpreter, the kernel compiled ahead for the GPUs the
+plans serve, the graph rewrite on the tiny families' blocks, and packages compiled with it against eager.
+test_gpu.py runs the kernel on a GPU."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import triton
+from conftest import ROOT, TOLERANCE, decided, tiny_options
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from aot import norm_rope
+from aot.apply import patch_blocks_
+from aot.attention import attention_backend
+from aot.blocks import rel_error, repeated_blocks
+from aot.export import _capture_classes, compile_blocks, export_block
+from aot.lowering import decomposed
+from aot.options import Options
+from aot.pipeline import load_pipeline
+from aot.plans import PLANS, resolve_norm_rope
+from aot.target import Target
+
+aten = torch.ops.aten
+OPS = (torch.ops.aot_rope.norm_rope_real.default, torch.ops.aot_rope.norm_rope_complex.default)
+
+
+def heads(seq: int = 37, heads: int = 3, head_dim: int = 32, batch: int = 2, seed: int = 0):
+    """x (batch, seq, heads, head_dim) bf16, a view of a GEMM's output whose rows start 16 bytes into it;
+    a norm weight; RoPE's factors in the real form (cos, sin an entry) and the complex form (f a pair)."""
+    torch.manual_seed(seed)
+    out = torch.randn(batch, seq, heads * head_dim + 8, dtype=torch.bfloat16) * 3
+    x = out[..., 8:].unflatten(-1, (heads, head_dim))
+    weight = (torch.rand(head_dim) + 0.5).to(torch.bfloat16)
+    angles = torch.randn(seq, head_dim) * 10  # one an entry, where diffusers repeats each pair's: any will do
+    cos, sin = (t[None, :, None] for t in (angles.cos(), angles.sin()))
+    pairs = angles[:, ::2]
+    return x, weight, cos, sin, torch.polar(torch.ones_like(pairs), pairs)[:, None]
+
+
+def test_the_reference_is_diffusers_rope_of_each_norm_to_the_bit():
+    """torch's RMSNorm then `apply_rotary_emb` (FLUX), diffusers' RMSNorm then Qwen-Image's complex
+    RoPE, and both followed by `fa3.unit_scaled`'s FP8 cast: the reference computes the same bits."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    from aot.fa3 import unit_scaled
+
+    x, weight, cos, sin, f = heads()
+    torch_norm, diffusers_norm = torch.nn.RMSNorm(32, eps=1e-6), RMSNorm(32, eps=1e-6)
+    for norm in (torch_norm, diffusers_norm):
+        norm.to(torch.bfloat16).weight.data.copy_(weight)
+    with torch.no_grad():
+        real = apply_rotary_emb(torch_norm(x), (cos[0, :, 0], sin[0, :, 0]), sequence_dim=1)
+        complex_ = apply_rotary_emb_qwen(diffusers_norm(x), f[:, 0], use_real=False)
+    pairs = torch.view_as_real(f).flatten(-2)
+    assert not torch.equal(real, complex_)  # the two norms round differently
+    for dtype, cast in ((torch.bfloat16, lambda t: t), (torch.float8_e4m3fn, unit_scaled)):
+        got = norm_rope.reference(x, weight, 1e-6, cos, sin, dtype, round_first=False)
+        assert torch.equal(got.float(), cast(real).float()), dtype
+        got = norm_rope.reference(x, weight, 1e-6, pairs, None, dtype, round_first=True)
+        assert torch.equal(got.float(), cast(complex_).float()), dtype
+
+
+INTERPRETED = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_norm_rope import heads
+from aot import norm_rope
+x, weight, cos, sin, f = heads()
+pairs = torch.view_as_real(f)
+errors = {}
+for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for round_first in (False, True):
+        for form in ("real", "complex"):
+            if form == "real":
+                got = norm_rope.norm_rope_real(x, weight, 1e-6, cos, sin, dtype, round_first)
+                ref = norm_rope.reference(x, weight, 1e-6, cos, sin, dtype, round_first)
+                turned = norm_rope.reference(x, weight, 1e-6, cos, -sin, dtype, round_first)
+            else:
+                got = norm_rope.norm_rope_complex(x, weight, 1e-6, pairs, dtype, round_first)
+                ref = norm_rope.reference(x, weight, 1e-6, pairs.flatten(-2), None, dtype, round_first)
+                other_way = torch.view_as_real(f.conj().resolve_conj()).flatten(-2)
+                turned = norm_rope.reference(x, weight, 1e-6, other_way, None, dtype, round_first)
+            bound = (2**-3 if dtype == torch.float8_e4m3fn else 2**-5) * ref.float().abs().amax(-1, keepdim=True)
+            over = lambda t: ((t.float() - ref.float()).abs() > bound).float().mean().item()
+            errors[f"{dtype} {round_first} {form}"] = [over(got), over(turned), list(got.shape), got.is_contiguous()]
+print(json.dumps(errors))
+"""
+
+
+def test_the_kernel_run_by_tritons_interpreter_matches_its_reference_within_its_roundings():
+    """The kernel's code run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, read when the module
+    is imported: a process of its own): both forms, both norms' roundings, bf16 and FP8 out, rows that
+    start 16 bytes into a GEMM's output, a row count that is no multiple of a program's rows. Triton 3.6's
+    interpreter rounds a float32 to bf16 toward zero (a GPU rounds to nearest), up to three times an entry,
+    so each entry is within four bf16 steps of its row's largest (2^-7 each, 2^-5 in all), where rotating the
+    other way leaves most entries beyond. In FP8, within a step of it (2^-3), but for about 0.5% of the
+    entries, which the interpreter rounds a binade too low (sage's test says why), and most of the other way."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", INTERPRETED, str(ROOT / "tests")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.splitlines()[-1])
+    assert len(errors) == 8
+    for case, (over, turned, shape, contiguous) in errors.items():
+        assert shape == [2, 37, 3, 32] and contiguous, case
+        assert over <= (0.01 if "float8" in case else 0) and turned > 0.5, (case, over, turned)
+
+
+def test_the_kernel_refuses_what_it_cannot_read():
+    x, weight, cos, sin, f = heads()
+    cases = [
+        (x[..., :24], "head dim must be a power of two"),
+        (x.flatten(-2)[..., 1:33].unflatten(-1, (1, 32)), "must start 16-byte aligned"),
+        (x.float(), "weight must be"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            norm_rope.norm_rope_real(bad, weight if bad.shape[-1] == 32 else None, 1e-6, cos, sin, bad.dtype)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        norm_rope.norm_rope_real(x, weight, 1e-6, cos[:, :5], sin[:, :5], torch.bfloat16)
+    with pytest.raises(ValueError, match="output dtype"):
+        norm_rope.norm_rope_real(x, weight, 1e-6, cos, sin, torch.int8)
+
+
+def _compiled(capability: int, complex_: bool, align: int) -> str:
+    """The kernel's PTX for compute capability `capability` (e.g. 90), its arguments typed as a FLUX block's
+    package passes them: bf16 x, float32 factors, FP8 out from the real form; the pointers and static strides
+    multiples of 16 (AOTInductor says so), x's batch stride, which follows the token count, not; x's rows
+    said to start `align` entries apart."""
+    fn = norm_rope._norm_rope_kernel
+    constants = {"HEAD_DIM": 128, "HAS_WEIGHT": True, "ROUND_FIRST": complex_, "COMPLEX": complex_, "ALIGN_F": 4}
+    constants.update(SATURATE=not complex_, ALIGN_X=align, **norm_rope.CONFIG.kwargs)
+    types = {"X": "*bf16", "W": "*bf16", "C": "*fp32", "S": "*fp32", "Out": "*bf16" if complex_ else "*fp8e4nv"}
+    types["eps"] = "fp64"  # AOTInductor passes a Python float as fp64
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+    divisible = [n for n in fn.arg_names if n in types or n.startswith("stride")]
+    divisible = [n for n in divisible if n not in ("eps", "stride_xb")]
+    source = ASTSource(
+        fn,
+        signature,
+        constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()},
+        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible},
+    )
+    options = {"num_warps": norm_rope.CONFIG.num_warps}
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("capability", [90, 120])
+def test_the_kernel_compiles_to_16_byte_loads_for_hopper_and_zerogpus_card(capability):
+    """Triton compiles the kernel ahead for GPUs this machine does not have (ptxas ships with it). Every
+    load of x and of the factors is 16 bytes wide, the weight's 4, and no arithmetic is in fp64. Without
+    being told that x's rows are aligned, the compiler loads x two bytes at a time: the L1-bound reads
+    Inductor's own kernel makes (BENCHMARKS.md, "Pair rotations flipped")."""
+    for complex_ in (False, True):
+        ptx = _compiled(capability, complex_, align=8)
+        loads = Counter(re.findall(r"ld\.global[\w.]*", ptx))
+        assert loads == {"ld.global.v4.b32": 3 if complex_ else 5, "ld.global.b32": 1}, loads
+        assert not re.search(r"\b(mul|fma|add|sub|rsqrt)[\w.]*\.f64", ptx)
+        assert bool(re.search(r"cvt[\w.]*e4m3", ptx)) is not complex_  # the FP8 cast, in the real case here
+    told_nothing = Counter(re.findall(r"ld\.global[\w.]*", _compiled(capability, False, align=1)))
+    assert told_nothing["ld.global.b16"] == 8, told_nothing
+
+
+def test_torch_sees_that_the_kernel_writes_only_its_output(monkeypatch):
+    """torch.export asks which inputs a user's Triton kernel mutates by compiling it to Triton's IR; where
+    that fails it assumes all. Triton names the compile target after the active GPU driver, which a CPU
+    machine lacks: a stand-in names an H100's here; nothing runs."""
+    from torch._higher_order_ops.triton_kernel_wrap import identify_mutated_tensors
+
+    class HopperTarget:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", HopperTarget())
+    x, weight, cos, sin, _ = heads()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    arguments = dict(X=x, W=weight, C=cos, S=sin, Out=out, rows=222, seq=37, heads=3, eps=1e-6)
+    arguments.update({name: 1 for name in norm_rope._norm_rope_kernel.arg_names if name.startswith("stride")})
+    arguments.update(HEAD_DIM=32, HAS_WEIGHT=True, ROUND_FIRST=False, COMPLEX=False, SATURATE=True, ALIGN_X=8)
+    arguments.update(ALIGN_F=4, **norm_rope.CONFIG.kwargs)
+    assert identify_mutated_tensors(norm_rope._norm_rope_kernel, arguments, {}) == ["Out"]
+
+
+def tiny_blocks(model: str, attention: str, dtype=torch.bfloat16):
+    """Each repeated block class of the tiny pipeline `model` (a folder in assets/), in `dtype`, exported
+    under `attention`: name -> (the exported program, its first captured inputs)."""
+    options = Options(model=str(ROOT / "assets" / model), device="cpu", dtype=str(dtype).removeprefix("torch."))
+    pipe = load_pipeline(options)
+    classes = _capture_classes(pipe, repeated_blocks(pipe.transformer), Target.of(pipe, options))
+    exported = {}
+    for name, (block, inputs, contract, *_) in classes.items():
+        with attention_backend(attention):
+            exported[name] = export_block(block, inputs[0], contract), inputs[0]
+    return exported
+
+
+def calls(program: torch.export.ExportedProgram) -> Counter:
+    return Counter(node.target for node in program.graph.nodes if node.op == "call_function")
+
+
+def test_single_stream_blocks_under_fp8_attention_get_one_call_each_for_q_and_k(monkeypatch):
+    """FLUX's single block casts its rotated Q and K to FP8 for FA3 (`fa3.unit_scaled`): each norm,
+    rotation and cast becomes one call writing FP8, and no norm or clamp is left. The double block's
+    text and image heads meet in a `cat` before RoPE, which Inductor fuses: it is left as it was."""
+    from diffusers.models import attention_dispatch
+
+    # Export calls no kernel (the op's fake implementation): say FA3 is loaded, as test_fa3.py does.
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", True)
+    blocks = tiny_blocks("tiny-flux", "fa3-fp8")
+    single, _ = blocks["FluxSingleTransformerBlock"]
+    fused = calls(decomposed(single, norm_rope=True))
+    assert fused[OPS[0]] == 2 and not fused[aten.rms_norm.default] and not fused[aten.clamp.default]
+    ops = [n for n in decomposed(single, norm_rope=True).graph.nodes if n.target in OPS]
+    assert all(n.meta["val"].dtype == torch.float8_e4m3fn for n in ops)
+    assert all(u.target is torch.ops.aot_fa3.fp8_forward.default for n in ops for u in n.users)
+    assert calls(decomposed(single))[aten.rms_norm.default] == 2  # off unless asked
+    double, _ = blocks["FluxTransformerBlock"]
+    assert not set(OPS) & set(calls(decomposed(double, norm_rope=True)))
+
+
+@pytest.mark.parametrize(
+    ("model", "taken"),
+    [
+        ("tiny-flux2", {"Flux2SingleTransformerBlock": (OPS[0], 2), "Flux2TransformerBlock": (OPS[0], 0)}),
+        ("tiny-z-image", {"ZImageTransformerBlock-layers": (OPS[1], 2)}),
+        ("tiny-qwen-image", {"QwenImageTransformerBlock": (OPS[1], 0)}),
+    ],
+)
+def test_rewritten_blocks_compute_the_same_bits_on_a_cpu(model, taken):
+    """Under SDPA in bf16, the rewritten program (the ops' torch reference on a CPU) gives the original's
+    output to the bit: FLUX.2's single block (torch's RMSNorm, the real form), Z-Image's (diffusers'
+    RMSNorm, the complex form). Qwen-Image joins its text and image heads in a `cat`: left as it was."""
+    blocks = tiny_blocks(model, "sdpa")
+    for name, (op, count) in taken.items():
+        program, inputs = blocks[name]
+        rewritten = decomposed(program, norm_rope=True)
+        assert calls(rewritten)[op] == count, name
+        with torch.no_grad():
+            got, expected = (torch.utils._pytree.tree_leaves(p.module()(**inputs)) for p in (rewritten, program))
+        assert len(got) == len(expected) and all(map(torch.equal, got, expected)), name
+
+
+def test_heads_quantized_by_sage_are_left_to_inductor():
+    """sage quantizes the rotated Q and K per token: a reduction Inductor fuses into the kernel that
+    makes them, which our kernel would split into two passes. Such a site is left as it is."""
+    from test_sage import tiny_pipeline_at_head_dim_32
+
+    pipe = tiny_pipeline_at_head_dim_32().to(torch.bfloat16)
+    target = Target.of(pipe, tiny_options())
+    classes = _capture_classes(pipe, repeated_blocks(pipe.transformer), target)
+    block, inputs, contract, *_ = classes["FluxSingleTransformerBlock"]
+    with attention_backend("sage"):
+        program = export_block(block, inputs[0], contract)
+    assert not set(OPS) & set(calls(decomposed(program, norm_rope=True)))
+    with attention_backend("sdpa"):
+        program = export_block(block, inputs[0], contract)
+    assert calls(decomposed(program, norm_rope=True))[OPS[0]] == 2  # the same block under SDPA
+
+
+def test_no_plan_takes_the_kernel_before_it_is_measured_and_on_is_on_anywhere():
+    plans = [plan for *_, plan in PLANS]
+    assert not any(plan.norm_rope for plan in plans)
+    decision = resolve_norm_rope(tiny_options(), plans[0])
+    assert (decision.value, decision.reason) == ("off", "auto: plan sm_90 leaves each head's norm and RoPE to Inductor")
+    assert resolve_norm_rope(tiny_options(norm_rope="on"), plans[0]).value == "on"
+
+
+def test_packages_compiled_with_the_kernel_match_eager_and_say_so():
+    """The tiny Z-Image pipeline (float32 on a CPU: the ops' torch reference inside the packages) compiled
+    with `norm_rope=on`: its decision is recorded and its images match eager's at both ends of its sizes."""
+    from test_families import SIZES, images, options
+
+    pipe = load_pipeline(options("tiny-z-image"))
+    expected = [images(pipe, height, width) for height, width in SIZES]
+    compiled = compile_blocks(*decided(pipe, options("tiny-z-image", norm_rope="on")))
+    assert [str(d) for d in compiled.decisions if d.name == "norm_rope"] == ["norm_rope: on (requested)"]
+    patch_blocks_(pipe, compiled)
+    for (height, width), image in zip(SIZES, expected, strict=True):
+        assert rel_error(images(pipe, height, width), image) < TOLERANCE, (height, width)
