@@ -44,8 +44,8 @@ class Plan:
     fp8: tuple[str, ...]
     why: str  # where the order comes from
     cublaslt_workspace_kib: int | None = None
-    # No plan takes it before its step time is measured against Inductor's kernel (BENCHMARKS.md, "Each
-    # head's norm and RoPE in a kernel of ours"); `norm_rope=on` takes it on any GPU.
+    # Taken by the plans whose step it was measured in (BENCHMARKS.md, "Each head's norm and RoPE in a kernel
+    # of ours"); `norm_rope=on` takes it on any GPU.
     norm_rope: bool = False
 
 
@@ -65,6 +65,9 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
             # 2026-12-07, BENCHMARKS.md "Hopper's plan without cuBLASLt's workspace"); the sm_120 plan's was
             # level (96.0 against 95.4 ms).
             cublaslt_workspace_kib=0,
+            # FLUX.1-dev's step 80.6 and 80.8 against 81.8 and 81.5 ms, Z-Image's 61.5 against 63.0 ms, FLUX.2
+            # klein's level (H100, 2026-12-07, each against its own run's eager row).
+            norm_rope=True,
         ),
     ),
     (
@@ -76,6 +79,9 @@ PLANS: tuple[tuple[tuple[int, int], tuple[int, int], Plan], ...] = (
             ("row-after", "tensor"),
             "RTX Blackwell (ZeroGPU's RTX Pro 6000): FA3 is a Hopper kernel, 8-bit attention in Triton first; "
             "cuBLAS refuses row-wise scaled FP8 there (pytorch#192707, #161236), so row scales go after the GEMM",
+            # Rehearsed on an H100 (`AOT_PLAN=12.0`, SDPA): FLUX.1-dev's step 90.3 against 92.1 ms (2026-12-07).
+            # Under sage the heads go to its quantization, and the kernel takes no site (`fuse_norm_rope`).
+            norm_rope=True,
         ),
     ),
     (

@@ -267,12 +267,15 @@ def test_heads_quantized_by_sage_are_left_to_inductor():
     assert calls(decomposed(program, norm_rope=True))[OPS[0]] == 2  # the same block under SDPA
 
 
-def test_no_plan_takes_the_kernel_before_it_is_measured_and_on_is_on_anywhere():
-    plans = [plan for *_, plan in PLANS]
-    assert not any(plan.norm_rope for plan in plans)
-    decision = resolve_norm_rope(tiny_options(), plans[0])
-    assert (decision.value, decision.reason) == ("off", "auto: plan sm_90 leaves each head's norm and RoPE to Inductor")
-    assert resolve_norm_rope(tiny_options(norm_rope="on"), plans[0]).value == "on"
+def test_the_plans_it_was_measured_in_take_the_kernel_and_on_or_off_is_as_asked():
+    plans = {plan.name: plan for *_, plan in PLANS}
+    assert sorted(name for name, plan in plans.items() if plan.norm_rope) == ["sm_120", "sm_90"]
+    decision = resolve_norm_rope(tiny_options(), plans["sm_90"])
+    assert (decision.value, decision.reason) == ("on", "auto: plan sm_90")
+    decision = resolve_norm_rope(tiny_options(), plans["sm_89"])
+    assert (decision.value, decision.reason) == ("off", "auto: plan sm_89 leaves each head's norm and RoPE to Inductor")
+    assert resolve_norm_rope(tiny_options(norm_rope="off"), plans["sm_90"]).value == "off"
+    assert resolve_norm_rope(tiny_options(norm_rope="on"), plans["sm_89"]).value == "on"
 
 
 def test_packages_compiled_with_the_kernel_match_eager_and_say_so():

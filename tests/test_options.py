@@ -230,7 +230,7 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     capability_checks_pass(monkeypatch)
     compiled = compile_blocks(*decided(load_tiny(), tiny_options(plan="9.0")))
     plan, attention, fp8, norm_rope = compiled.decisions
-    assert (plan.value, attention.value, fp8.value, norm_rope.value) == ("sm_90", "sdpa", "off", "off")
+    assert (plan.value, attention.value, fp8.value, norm_rope.value) == ("sm_90", "sdpa", "off", "on")
     assert plan.reason.startswith("forced by plan=9.0 on cpu; Hopper"), plan
     trials = r"plan sm_90: fa3-fp8 failed its trial \(.+\) -> fa3 failed its trial \(.+\) -> sdpa"
     assert re.fullmatch(trials, attention.reason), attention
