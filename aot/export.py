@@ -227,7 +227,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
     log.info("%s", attention)
     log.info("%s", fp8)
     fa3_kernel = trials.fa3_kernel if kernel in FA3_KERNELS else None
-    valid_for = fingerprint(transformer, resolution, kernel, fp8.value, fa3_kernel)
+    valid_for = fingerprint(transformer, resolution, kernel, fp8.value, fa3_kernel, trials.norm_rope.value)
     valid_for["cpu_isa"] = portability.isa_built_for(transformer.device)  # what they need: portability.isa_problem
     valid_for.update(portability.runtimes_needed(*(p.package for p in packages.values())))  # and runtime_problem
     decisions = [trials.planned, attention, fp8, trials.norm_rope]

@@ -28,11 +28,17 @@ SCHEMA = 5
 
 
 def fingerprint(
-    transformer: torch.nn.Module, resolution: Resolution, attention: str, fp8: str, fa3_kernel: str | None
+    transformer: torch.nn.Module,
+    resolution: Resolution,
+    attention: str,
+    fp8: str,
+    fa3_kernel: str | None,
+    norm_rope: str = "off",
 ) -> dict[str, Any]:
     """What packages compiled for `transformer` are valid for (JSON-able): `attention` the kernel
     ("fa3", "fa3-fp8", "sage", "sdpa"), `fp8` the granularity (`options.FP8_GRANULARITIES`) or "off", `fa3_kernel`
-    where FA3 is loaded from (None unless `attention` calls FA3)."""
+    where FA3 is loaded from (None unless `attention` calls FA3), `norm_rope` "on" where each head's norm and
+    RoPE are norm_rope.py's kernel (`plans.resolve_norm_rope`), else "off"."""
     import diffusers  # heavy: at first use
     import torchao  # heavy: at first use
 
@@ -60,6 +66,7 @@ def fingerprint(
         "attention": attention,
         "fa3_kernel": fa3_kernel,
         "fp8": fp8,  # the granularity, or off
+        "norm_rope": norm_rope,
         "blocks": {
             name: {
                 "count": len(found),
@@ -72,10 +79,12 @@ def fingerprint(
 
 
 def variant(fp: dict[str, Any]) -> str:
-    """`fa3-fp8row-512-1536`, `sdpa-bfloat16-512-1536`, ...: the choices that change the graph
-    (attention, FP8 or dtype, side range), so sets compiled for other choices live side by side."""
+    """`fa3-fp8row-512-1536`, `fa3-fp8-fp8row-normrope-512-1536`, `sdpa-bfloat16-512-1536`, ...: the choices
+    that change the graph (attention, FP8 or dtype, norm_rope.py's kernel, side range), so sets compiled for
+    other choices live side by side."""
     precision = "fp8" + fp["fp8"] if fp["fp8"] != "off" else fp["dtype"]
-    return f"{fp['attention']}-{precision}-{fp['sizes'][0]}-{fp['sizes'][1]}"
+    kernel = "-normrope" if fp.get("norm_rope") == "on" else ""
+    return f"{fp['attention']}-{precision}{kernel}-{fp['sizes'][0]}-{fp['sizes'][1]}"
 
 
 def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:

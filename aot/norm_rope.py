@@ -97,8 +97,9 @@ def _norm_rope_kernel(
         sin_e, sin_o = tl.split(tl.reshape(s_.to(tl.float32), (ROWS, HEAD_DIM // 2, 2)))
         out = tl.join(e * cos_e - o * sin_e, o * cos_o + e * sin_o)
     out = tl.reshape(out, (ROWS, HEAD_DIM)).to(x.dtype)
-    if SATURATE:
-        out = tl.minimum(tl.maximum(out.to(tl.float32), -448.0), 448.0)
+    if SATURATE:  # NaN stays NaN, as torch's clamp keeps it
+        out = tl.maximum(out.to(tl.float32), -448.0, propagate_nan=tl.PropagateNan.ALL)
+        out = tl.minimum(out, 448.0, propagate_nan=tl.PropagateNan.ALL)
     tl.store(Out + r[:, None] * HEAD_DIM + d[None, :], out.to(Out.dtype.element_ty), mask=ok[:, None])
 
 
@@ -261,7 +262,7 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
         values = [t.meta["val"] for t in factors]
         if len(values) == 1:  # complex: each pair's (cos, sin) side by side, as the kernel reads them
             values = [torch.view_as_real(values[0]).flatten(-2)]
-        if inside is None or not _read_by_attention(end):
+        if inside is None or not _read_by_attention(end) or not _same_shape(end, x):
             continue
         if problem(x.meta["val"], None if weight is None else weight.meta["val"], tuple(values), out_dtype):
             continue
@@ -333,35 +334,43 @@ def _back(end: Any) -> tuple[Any, Any]:
 
 
 def _head_norm(node: Any) -> Norm | None:
-    """What `node` normalizes, where it is an RMS norm over the last dim of a 4-D tensor x: torch's
-    `aten.rms_norm` (rounded after the weight), or diffusers' `RMSNorm` as export writes it,
-    `(x * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(w.dtype) * w` or, without a weight,
-    `.to(x.dtype)` (rounded first); else None."""
+    """What `node` normalizes, where it is an RMS norm over the last dim of a 4-D tensor x whose output is
+    in x's dtype: torch's `aten.rms_norm` (rounded after the weight), or diffusers' `RMSNorm` as export
+    writes it, `(x * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(w.dtype) * w` or, without a
+    weight, `.to(x.dtype)` (rounded first), the weight a tensor; else None."""
     if is_call(node, aten.rms_norm.default):
         x, shape, weight, eps = (*node.args, None, None)[:4]
         weight, eps = node.kwargs.get("weight", weight), node.kwargs.get("eps", eps)
         found = (x, weight, torch.finfo(torch.float32).eps if eps is None else eps, False), len(shape) == 1
     else:
         weight, scaled = None, _to(node) or node
-        if is_call(node, aten.mul.Tensor) and not is_call(node.args[1], aten.rsqrt.default):
+        if _plain_mul(node) and not is_call(node.args[1], aten.rsqrt.default):
             weight, scaled = node.args[1], _to(node.args[0]) or node.args[0]
-        if not is_call(scaled, aten.mul.Tensor) or not is_call(scaled.args[1], aten.rsqrt.default):
+        if not _plain_mul(scaled) or not is_call(scaled.args[1], aten.rsqrt.default):
             return None
         x, total = scaled.args[0], scaled.args[1].args[0]
-        if not is_call(total, aten.add.Tensor) or not isinstance(total.args[1], float):
+        if not is_call(total, aten.add.Tensor) or total.kwargs or not isinstance(total.args[1], float):
             return None
         mean = total.args[0]
         ok = is_call(mean, aten.mean.dim) and list(mean.args[1]) == [-1] and mean.args[2:] == (True,)
         square = mean.args[0] if ok else None
         ok = ok and is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2
         found = (x, weight, total.args[1], True), ok and _to(square.args[0], torch.float32) is x
-    norm, ok = found
-    return norm if ok and isinstance(norm[0], torch.fx.Node) and norm[0].meta["val"].dim() == 4 else None
+    (x, weight, *_), ok = found
+    nodes = isinstance(x, torch.fx.Node) and (weight is None or isinstance(weight, torch.fx.Node))
+    if not (ok and nodes and x.meta["val"].dim() == 4 and node.meta["val"].dtype == x.meta["val"].dtype):
+        return None
+    return found[0]
+
+
+def _plain_mul(node: Any) -> bool:
+    """Whether `node` is `aten.mul.Tensor` of two operands and nothing else."""
+    return is_call(node, aten.mul.Tensor) and len(node.args) == 2 and not node.kwargs
 
 
 def _products(node: Any) -> list[tuple[Any, Any]]:
     """Both orders of `node`'s factors where it is `aten.mul.Tensor`; else none."""
-    return [tuple(node.args), tuple(node.args[::-1])] if is_call(node, aten.mul.Tensor) else []
+    return [tuple(node.args), tuple(node.args[::-1])] if _plain_mul(node) else []
 
 
 Site = tuple[tuple[torch.fx.Node, Norm], tuple[torch.fx.Node, ...], torch.fx.Node]
@@ -371,7 +380,7 @@ def _real_site(end: torch.fx.Node) -> Site | None:
     """((n, its norm), (cos, sin), end) where `end` is diffusers' real RoPE of a head norm's output n,
     `(n.float() * cos + stack([-o, e], -1).flatten().float() * sin)` rounded back to n's dtype; else None."""
     total, back = _back(end)
-    if not is_call(total, aten.add.Tensor):
+    if not is_call(total, aten.add.Tensor) or total.kwargs:  # alpha would scale the second term
         return None
     for plain, turned in (total.args, total.args[::-1]):
         for (a, cos), (b, sin) in ((p, q) for p in _products(plain) for q in _products(turned)):
@@ -398,6 +407,14 @@ def _complex_site(end: torch.fx.Node) -> Site | None:
     if norm is None or not (back is normed or back == normed.meta["val"].dtype):
         return None
     return (normed, norm), (f,), end
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether `a`'s value has `b`'s shape, symbolic sizes included."""
+    first, second = (n.meta["val"].shape for n in (a, b))
+    if len(first) != len(second):
+        return False
+    return all(statically_known_true(m == n) for m, n in zip(first, second, strict=True))
 
 
 def _computing(node: torch.fx.Node, inputs: tuple[Any, ...], limit: int = 16) -> set[torch.fx.Node]:

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 import triton
-from conftest import ROOT, TOLERANCE, decided, tiny_options
+from conftest import ROOT, TOLERANCE, decided, load_tiny, tiny_options
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -158,7 +158,8 @@ def _compiled(capability: int, complex_: bool, align: int) -> str:
 @pytest.mark.parametrize("capability", [90, 120])
 def test_the_kernel_compiles_to_16_byte_loads_for_hopper_and_zerogpus_card(capability):
     """Triton compiles the kernel ahead for GPUs this machine does not have (ptxas ships with it). Every
-    load of x and of the factors is 16 bytes wide, the weight's 4, and no arithmetic is in fp64. Without
+    load of x and of the factors is 16 bytes wide, the weight's 4, no arithmetic is in fp64, and the clamp
+    before the FP8 cast keeps NaN (PTX's `.NaN` min and max; plain ones would turn it into -448). Without
     being told that x's rows are aligned, the compiler loads x two bytes at a time: the L1-bound reads
     Inductor's own kernel makes (BENCHMARKS.md, "Pair rotations flipped")."""
     for complex_ in (False, True):
@@ -167,6 +168,8 @@ def test_the_kernel_compiles_to_16_byte_loads_for_hopper_and_zerogpus_card(capab
         assert loads == {"ld.global.v4.b32": 3 if complex_ else 5, "ld.global.b32": 1}, loads
         assert not re.search(r"\b(mul|fma|add|sub|rsqrt)[\w.]*\.f64", ptx)
         assert bool(re.search(r"cvt[\w.]*e4m3", ptx)) is not complex_  # the FP8 cast, in the real case here
+        clamps = set(re.findall(r"\b(?:max|min)[\w.]*\.f32", ptx))  # a NaN stays NaN, as torch's clamp keeps it
+        assert clamps == (set() if complex_ else {"max.NaN.f32", "min.NaN.f32"}), clamps
     told_nothing = Counter(re.findall(r"ld\.global[\w.]*", _compiled(capability, False, align=1)))
     assert told_nothing["ld.global.b16"] == 8, told_nothing
 
@@ -250,6 +253,59 @@ def test_rewritten_blocks_compute_the_same_bits_on_a_cpu(model, taken):
         assert len(got) == len(expected) and all(map(torch.equal, got, expected)), name
 
 
+def _rope(x, cos, sin, alpha=1):
+    """diffusers' `apply_rotary_emb` (real form), with the sum's `alpha` a caller may set."""
+    e, o = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    turned = torch.stack([-o, e], -1).flatten(3)
+    return torch.add(x.float() * cos, turned.float() * sin, alpha=alpha).to(x.dtype)
+
+
+def _norm(x):
+    """diffusers' `RMSNorm` without a weight and without its cast back: float32 out of bf16 x."""
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _complex_rope_as_5d(x, f):
+    """Qwen-Image's complex RoPE, its product permuted as (batch, heads, seq, pairs, 2) before flattening."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * f.unsqueeze(1)).permute(0, 2, 1, 3, 4).flatten(3)
+
+
+class LookAlike(torch.nn.Module):
+    """A norm and a rotation that only look like a site: the rotation's sum scaled by `alpha=-1`, a Python
+    number where the weight would be, a norm whose output stays float32 (bf16 x), a rotated product that is
+    5-D where the site's end would be (a float32 model, so no casts mark the end)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v, cos, sin, f):
+        if self.kind == "alpha":
+            q, k = (_rope(torch.rms_norm(t, [t.shape[-1]], None, 1e-6), cos, sin, alpha=-1) for t in (q, k))
+        elif self.kind == "number":
+            q, k = (_rope(_norm(t).to(t.dtype) * 2.0, cos, sin) for t in (q, k))
+        elif self.kind == "float32 norm":
+            q, k = (_rope(_norm(t), cos, sin) for t in (q, k))
+        else:
+            normed = (torch.nn.functional.rms_norm(t, t.shape[-1:], None, 1e-6) for t in (q, k))
+            q, k = (_complex_rope_as_5d(t, f[:, 0]) for t in normed)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+        return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v.to(q.dtype))))
+
+
+@pytest.mark.parametrize("kind", ["alpha", "number", "float32 norm", "5-D product"])
+def test_what_only_looks_like_a_site_is_left_as_it_is(kind):
+    x, _, cos, sin, f = heads(batch=1)
+    x = x.float() if kind == "5-D product" else x
+    args = (x, x * 0.5, x * 2, cos, sin, f)
+    program = torch.export.export(LookAlike(kind), args)
+    rewritten = decomposed(program, norm_rope=True)
+    assert not set(OPS) & set(calls(rewritten))
+    with torch.no_grad():
+        assert torch.equal(rewritten.module()(*args), program.module()(*args))
+
+
 def test_heads_quantized_by_sage_are_left_to_inductor():
     """sage quantizes the rotated Q and K per token: a reduction Inductor fuses into the kernel that
     makes them, which our kernel would split into two passes. Such a site is left as it is."""
@@ -276,6 +332,18 @@ def test_the_plans_it_was_measured_in_take_the_kernel_and_on_or_off_is_as_asked(
     assert (decision.value, decision.reason) == ("off", "auto: plan sm_89 leaves each head's norm and RoPE to Inductor")
     assert resolve_norm_rope(tiny_options(norm_rope="off"), plans["sm_90"]).value == "off"
     assert resolve_norm_rope(tiny_options(norm_rope="on"), plans["sm_89"]).value == "on"
+
+
+def test_packages_with_and_without_the_kernel_are_told_apart():
+    """A set compiled with the kernel gets a variant name of its own, and a set saved without it is not
+    loaded where the trials take it (its fingerprint differs), nor the other way round."""
+    from aot.fingerprint import differences, fingerprint, variant
+
+    pipe = load_tiny()
+    resolution = Target.of(pipe, tiny_options()).resolution
+    on, off = (fingerprint(pipe.transformer, resolution, "sdpa", "off", None, kernel) for kernel in ("on", "off"))
+    assert (variant(on), variant(off)) == ("sdpa-float32-normrope-512-1536", "sdpa-float32-512-1536")
+    assert differences(off, on) == ["norm_rope: off (packages) vs on (here)"]
 
 
 def test_packages_compiled_with_the_kernel_match_eager_and_say_so():
