@@ -1,10 +1,10 @@
 """The decision: which fast paths the blocks try on this GPU, in what order, and why, worked out once.
 
-FlashAttention-3 and FP8 inside the compiled blocks (fa3.py, fp8.py), CUDA graphs around the step
-(graphs.py): each resolved to a `Decision`, in the order the GPU's `Plan` gives (`PLANS`, keyed by
-compute capability). `Trials.resolve` holds the whole decision; `export.compile_blocks` walks it,
-running each step as a trial that falls back to the next, and `loading.load_packages` looks for the
-packages a compile would make; neither reads the options again.
+FlashAttention-3 and FP8 inside the compiled blocks (fa3.py, fp8.py), each head's norm and RoPE in a
+kernel of ours (norm_rope.py), CUDA graphs around the step (graphs.py): each resolved to a `Decision`, in
+the order the GPU's `Plan` gives (`PLANS`, keyed by compute capability). `Trials.resolve` holds the whole
+decision; `export.compile_blocks` walks it, running each step as a trial that falls back to the next, and
+`loading.load_packages` looks for the packages a compile would make; neither reads the options again.
 
 `auto` takes a fast path only where it can run and says why not otherwise; an explicit request
 that cannot run raises with what is missing. Off Hopper (an RTX Pro 6000 Blackwell on ZeroGPU, an
