@@ -183,9 +183,10 @@ def _launch(
     rows = batch * seq * heads
     # One config through `triton.autotune`, as sage.py launches its kernel in a package: nothing is tuned.
     kernel, config = (_norm_rope_kernel, CONFIG.all_kwargs()) if _INTERPRETED else (wrap_triton(_configured), {})
+    second = cos if sin is None else sin  # the complex form reads its pairs from `cos` alone
     kernel[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
-        x, x if weight is None else weight, cos, cos if sin is None else sin, out,
-        rows, seq, heads, *x.stride()[:3], *_row_strides(cos), *_row_strides(cos if sin is None else sin), eps,
+        x, x if weight is None else weight, cos, second, out,
+        rows, seq, heads, *x.stride()[:3], *_row_strides(cos), *_row_strides(second), eps,
         HEAD_DIM=head_dim, HAS_WEIGHT=weight is not None, ROUND_FIRST=round_first, COMPLEX=sin is None,
         SATURATE=out_dtype == torch.float8_e4m3fn,
         ALIGN_X=ALIGN_BYTES // x.element_size(),
@@ -259,18 +260,18 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
     for (normed, (x, weight, eps, round_first)), factors, end in sites:
         out_dtype, end = _saturated_cast(end)
         inside = _feeding(normed, end)
-        values = [t.meta["val"] for t in factors]
-        if len(values) == 1:  # complex: each pair's (cos, sin) side by side, as the kernel reads them
-            values = [torch.view_as_real(values[0]).flatten(-2)]
         if inside is None or not _read_by_attention(end) or not _same_shape(end, x):
             continue
-        if problem(x.meta["val"], None if weight is None else weight.meta["val"], tuple(values), out_dtype):
+        complex_ = len(factors) == 1
+        parts = torch.view_as_real(factors[0].meta["val"]) if complex_ else None  # each pair's (cos, sin)
+        values = (parts.flatten(-2),) if complex_ else tuple(t.meta["val"] for t in factors)  # as the kernel reads
+        if problem(x.meta["val"], None if weight is None else weight.meta["val"], values, out_dtype):
             continue
         with graph.inserting_before(end):
-            if len(factors) == 1:  # complex: view_as_real(f), each pair's (cos, sin) side by side
+            if complex_:
                 factors = (graph.call_function(aten.view_as_real.default, factors),)
-                factors[0].meta["val"] = torch.view_as_real(factors[0].args[0].meta["val"])
-            op = norm_rope_real if len(values) == 2 else norm_rope_complex
+                factors[0].meta["val"] = parts
+            op = norm_rope_complex if complex_ else norm_rope_real
             fused = graph.call_function(op._opoverload, (x, weight, eps, *factors, out_dtype, round_first))
             fused.meta["val"] = x.meta["val"].new_empty(x.meta["val"].shape, dtype=out_dtype)
         end.replace_all_uses_with(fused)
