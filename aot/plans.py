@@ -454,7 +454,7 @@ def resolve_cuda_graphs(options: Options, device: torch.device) -> Decision:
 
 def resolve_norm_rope(options: Options, plan: Plan) -> Decision:
     """Decide whether the packages compute each head's RMS norm and RoPE in norm_rope.py's Triton kernel
-    (`norm_rope.fuse_norm_rope`): as asked, or with `auto` as the plan says (`Plan.norm_rope`). Where a
+    (`norm_rope_sites.fuse_norm_rope`): as asked, or with `auto` as the plan says (`Plan.norm_rope`). Where a
     package is compiled for a CPU, the kernel's place is taken by its torch reference, which Inductor
     compiles as its own ops."""
     if options.norm_rope != "auto":

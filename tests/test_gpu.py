@@ -77,26 +77,43 @@ def test_fa3_fp8_attention_matches_sdpa_within_fp8_error_and_compiles_into_the_b
 
 def test_the_norm_rope_kernel_matches_its_reference_at_fluxs_shape():
     """norm_rope.py's kernel at FLUX.1-dev's single block, 1 x 4608 x 24 x 128, x a view of a wider GEMM
-    output, against its torch reference: each entry within one bf16 step of its row's largest (Triton may
-    fuse a multiply and an add that torch rounds apart), or one FP8 step (2^-3) where it casts to FP8; then
-    the wide pipeline's blocks compiled with it under FA3's FP8 forward against eager."""
+    output, and at its double block, 512 text and 4096 image tokens as two parts, each a view of its own,
+    against its torch reference (of each part, joined): each entry within one bf16 step of its row's
+    largest (Triton may fuse a multiply and an add that torch rounds apart), or one FP8 step (2^-3) where it
+    casts to FP8; then the wide pipeline's blocks compiled with it under FA3's FP8 forward against eager."""
     from aot import norm_rope
 
     torch.manual_seed(0)
     x = (torch.randn(1, 4608, 3 * 3072, device="cuda", dtype=torch.bfloat16) * 3)[..., :3072].unflatten(-1, (24, 128))
+    text = (torch.randn(1, 512, 3 * 3072, device="cuda", dtype=torch.bfloat16) * 3)[..., :3072].unflatten(-1, (24, 128))
+    image = x[:, 512:]
     weight = (torch.rand(128, device="cuda") + 0.5).to(torch.bfloat16)
+    text_weight = (2 - weight.float()).to(torch.bfloat16)
     angles = torch.randn(4608, 128, device="cuda") * 10
     cos, sin = (t[None, :, None] for t in (angles.cos(), angles.sin()))
     pairs = torch.view_as_real(torch.polar(torch.ones_like(angles[:, ::2]), angles[:, ::2]))[:, None]
+    parts = [(text, text_weight, cos[:, :512], sin[:, :512]), (image, weight, cos[:, 512:], sin[:, 512:])]
     for dtype, step in ((torch.bfloat16, 2**-7), (torch.float8_e4m3fn, 2**-3)):
         for round_first in (False, True):
-            real = norm_rope.norm_rope_real(x, weight, 1e-6, cos, sin, dtype, round_first)
-            complex_ = norm_rope.norm_rope_complex(x, weight, 1e-6, pairs, dtype, round_first)
-            cases = {"real": (real, (cos, sin)), "complex": (complex_, (pairs.flatten(-2), None))}
-            for form, (got, factors) in cases.items():
-                ref = norm_rope.reference(x, weight, 1e-6, *factors, dtype, round_first).float()
-                far = (got.float() - ref).abs() > step * ref.abs().amax(-1, keepdim=True)
-                equal = (got.float() == ref).float().mean().item()
+            args = (1e-6, [cos], [sin], dtype, round_first)
+            cases = {
+                "real": (
+                    norm_rope.norm_rope_real([x], [weight], *args),
+                    norm_rope.reference(x, weight, 1e-6, cos, sin, dtype, round_first),
+                ),
+                "complex": (
+                    norm_rope.norm_rope_complex([x], [weight], 1e-6, [pairs], dtype, round_first),
+                    norm_rope.reference(x, weight, 1e-6, pairs.flatten(-2), None, dtype, round_first),
+                ),
+                "two parts": (
+                    norm_rope.norm_rope_real([text, image], [text_weight, weight], *args),
+                    torch.cat([norm_rope.reference(t, w, 1e-6, c, s, dtype, round_first) for t, w, c, s in parts], 1),
+                ),
+            }
+            for form, (got, expected) in cases.items():
+                expected = expected.float()
+                far = (got.float() - expected).abs() > step * expected.abs().amax(-1, keepdim=True)
+                equal = (got.float() == expected).float().mean().item()
                 print(f"norm_rope {form} {dtype} round_first={round_first}: {equal:.4f} equal to the reference")
                 assert not far.any(), (form, dtype, round_first, far.float().mean().item())
     low_precision_blocks_match_eager(Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off", norm_rope="on"))
