@@ -195,7 +195,7 @@ def _part_problem(x: Any, weight: Any, factors: tuple[Any, ...], out_dtype: torc
     if out_dtype not in OUT_DTYPES:
         return f"the output dtype must be one of {OUT_DTYPES}, not {out_dtype}"
     for f in factors:
-        if f.dtype != torch.float32 or f.dim() > 4 or f.shape[-1] != head_dim or f.stride(-1) != 1:
+        if f.dtype != torch.float32 or not 1 <= f.dim() <= 4 or f.shape[-1] != head_dim or f.stride(-1) != 1:
             return f"each factor must be float32 with {head_dim} contiguous entries last, not {tuple(f.shape)}"
         lead = zip((1,) * (4 - f.dim()) + tuple(f.shape[:-1]), x.shape[:3], strict=True)
         if not all(statically_known_true(n == 1) or statically_known_true(n == m) for n, m in lead):
@@ -207,25 +207,28 @@ def _part_problem(x: Any, weight: Any, factors: tuple[Any, ...], out_dtype: torc
     return None
 
 
-def per_part(factors: tuple[Any, ...], xs: list[Any]) -> list[tuple[Any, ...]]:
+def per_part(factors: tuple[Any, ...], xs: list[Any]) -> list[tuple[Any, ...]] | None:
     """Factors given for the joint sequence of the parts `xs`, cut into each part's tokens (a view of
-    each, `narrow` along the axis that broadcasts to x's seq; one that does not vary along it, or is
-    shorter than the parts, is left whole, for `problem` to judge)."""
+    each, `narrow` along the axis that broadcasts to x's seq; one that does not vary along it is each
+    part's whole); None where one varies along it but does not span the joint sequence."""
+    total = sum(x.shape[1] for x in xs)
+    axes = [_seq_axis(f) for f in factors]
+    spans = zip(factors, axes, strict=True)
+    if any(axis is not None and not statically_known_true(f.shape[axis] == total) for f, axis in spans):
+        return None
     cut, start = [], 0
     for x in xs:
-        length = x.shape[1]
-        cut.append(tuple(_narrow_seq(f, start, length) for f in factors))
-        start = start + length
+        parts = zip(factors, axes, strict=True)
+        cut.append(tuple(f if axis is None else f.narrow(axis, start, x.shape[1]) for f, axis in parts))
+        start = start + x.shape[1]
     return cut
 
 
-def _narrow_seq(f: Any, start: Any, length: Any) -> Any:
-    axis = f.dim() - 3  # x's seq axis, as f broadcasts to (batch, seq, heads, head_dim)
-    if axis < 0 or statically_known_true(f.shape[axis] == 1):
-        return f
-    if not statically_known_true(start + length <= f.shape[axis]):
-        return f
-    return f.narrow(axis, start, length)
+def _seq_axis(f: Any) -> int | None:
+    """The axis of `f` that broadcasts to x's seq in (batch, seq, heads, head_dim), None where it has none
+    or is 1 long."""
+    axis = f.dim() - 3
+    return None if axis < 0 or statically_known_true(f.shape[axis] == 1) else axis
 
 
 def _row_strides(f: torch.Tensor) -> tuple[Any, Any, Any]:
@@ -249,6 +252,8 @@ def _launch(
     stacked = [tuple(factors[i : i + width]) for i in range(0, len(factors), width)]
     if len(stacked) == 1 and len(xs) == 2:
         stacked = per_part(stacked[0], xs)
+        if stacked is None:
+            raise ValueError(f"norm_rope: factors {tuple(factors[0].shape)} do not span the parts' joint sequence")
     trouble = problem(xs, weights, stacked, out_dtype)
     if trouble:
         raise ValueError(f"norm_rope: {trouble}")
@@ -296,14 +301,16 @@ def norm_rope_real(
     o cos_o + e sin_o): `cos` and `sin` one per part or one for the joint sequence (cut with `per_part`),
     float32 broadcastable to x's shape with their head_dim entries contiguous, each row of x and of them
     starting 16-byte aligned (`ALIGN_BYTES`). Returns a contiguous (batch, sum of seq_i, heads, head_dim)
-    tensor in `out_dtype`: x's dtype, or float8_e4m3fn (rounded to x's dtype first, then saturated at
-    +-448 as `fa3.unit_scaled` casts). With one part, `norm(x)` then RoPE; with two, as diffusers' FLUX
+    tensor in `out_dtype`, rounded to x's dtype first: bf16, float16 or float32, or float8_e4m3fn (saturated
+    at +-448 as `fa3.unit_scaled` casts). With one part, `norm(x)` then RoPE; with two, as diffusers' FLUX
     double block computes `rope(cat([norm_1(x_1), norm_2(x_2)], 1))` or Qwen-Image's
     `cat([rope_1(norm_1(x_1)), rope_2(norm_2(x_2))], 1)`, without the `cat`.
 
     Raises:
         ValueError: tensors the kernel cannot take (`problem` says which).
     """
+    if len(cos) != len(sin):
+        raise ValueError(f"norm_rope: cos and sin must come alike, one per part or one, not {len(cos)} and {len(sin)}")
     factors = [t for pair in zip(cos, sin, strict=True) for t in pair]
     return _launch(x, weight, eps, factors, out_dtype, round_first, complex_=False)
 
@@ -325,4 +332,6 @@ def norm_rope_complex(
     Raises:
         ValueError: tensors the kernel cannot take (`problem` says which).
     """
+    if any(f.dim() < 2 or f.shape[-1] != 2 for f in pairs):
+        raise ValueError(f"norm_rope: pairs must be (..., head_dim / 2, 2), not {[tuple(f.shape) for f in pairs]}")
     return _launch(x, weight, eps, [f.flatten(-2) for f in pairs], out_dtype, round_first, complex_=True)

@@ -20,8 +20,8 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
     where there is one), as one `norm_rope_real` or `norm_rope_complex` call in `module`'s graph.
 
     A site is taken where an RMS norm (`aten.rms_norm`, or diffusers' `RMSNorm` as its ops) normalizes
-    each head of a (batch, seq, heads, head_dim) tensor; nothing but one rotation of pairs reads its
-    output n, in diffusers' real form, `n.float() * cos + stack([-o, e], -1).flatten().float() * sin`, or
+    each head of a (batch, seq, heads, head_dim) tensor; all that reads its output n leads to a rotation of
+    its pairs, in diffusers' real form, `n.float() * cos + stack([-o, e], -1).flatten().float() * sin`, or
     the complex form, `view_as_real(view_as_complex(n.float() as pairs) * f).flatten()` (`rotations`),
     rounded back to n's dtype; what reads the rotated tensor is attention itself (aten's SDPA or a custom
     op, through views, or through `fa3.unit_scaled`'s saturated FP8 cast, which the call then makes);
@@ -57,7 +57,7 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
         if len(factor_values) < len(values):
             factor_values = per_part(factor_values[0], values)
         weight_values = [None if w is None else w.meta["val"] for w in weights]
-        if problem(values, weight_values, factor_values, out_dtype):
+        if factor_values is None or problem(values, weight_values, factor_values, out_dtype):
             continue
         *_, eps, round_first = norms[0]
         with graph.inserting_before(end):
@@ -143,12 +143,15 @@ def _head_norm(node: Any) -> Norm | None:
         weight, eps = node.kwargs.get("weight", weight), node.kwargs.get("eps", eps)
         found = (x, weight, torch.finfo(torch.float32).eps if eps is None else eps, False), len(shape) == 1
     else:
-        weight, scaled = None, _to(node) or node
+        weight, rounded = None, node
         if _plain_mul(node) and not is_call(node.args[1], aten.rsqrt.default):
-            weight, scaled = node.args[1], _to(node.args[0]) or node.args[0]
+            weight, rounded = node.args[1], node.args[0]
+        scaled = _to(rounded) or rounded
         if not _plain_mul(scaled) or not is_call(scaled.args[1], aten.rsqrt.default):
             return None
         x, total = scaled.args[0], scaled.args[1].args[0]
+        if rounded is not scaled and _to(rounded, x.meta["val"].dtype) is not scaled:
+            return None  # rounded to another dtype than x's, which the kernel's rounding would not repeat
         if not is_call(total, aten.add.Tensor) or total.kwargs or not isinstance(total.args[1], float):
             return None
         mean = total.args[0]

@@ -176,6 +176,15 @@ def test_the_kernel_refuses_what_it_cannot_read():
             norm_rope.norm_rope_real(xs, weights, 1e-6, [cos], [sin], torch.bfloat16)
     with pytest.raises(ValueError, match="do not broadcast"):  # each part's factors, given the joint's
         norm_rope.norm_rope_real([text, image], [weight] * 2, 1e-6, [cos] * 2, [sin] * 2, torch.bfloat16)
+    for short in (cos[:, 5:], torch.cat([cos, cos[:, :1]], 1)):  # the joint's factors span its 37 tokens exactly
+        with pytest.raises(ValueError, match="do not span the parts' joint sequence"):
+            norm_rope.norm_rope_real([text, image], [weight] * 2, 1e-6, [short], [short], torch.bfloat16)
+    with pytest.raises(ValueError, match="cos and sin must come alike"):
+        norm_rope.norm_rope_real([text, image], [weight] * 2, 1e-6, [cos[:, :5], cos[:, 5:]], [sin], torch.bfloat16)
+    with pytest.raises(ValueError, match="each factor must be float32"):
+        norm_rope.norm_rope_real([x], [weight], 1e-6, [torch.tensor(1.0)], [torch.tensor(0.0)], torch.bfloat16)
+    with pytest.raises(ValueError, match="pairs must be"):
+        norm_rope.norm_rope_complex([x], [weight], 1e-6, [torch.ones(32)], torch.bfloat16)
 
 
 def _compiled(capability: int, complex_: bool, align: int, joined: bool = False) -> str:
@@ -333,7 +342,8 @@ class LookAlike(torch.nn.Module):
     """A norm and a rotation that only look like a site: the rotation's sum scaled by `alpha=-1`, a Python
     number where the weight would be, a norm whose output stays float32 (bf16 x), a rotated product that is
     5-D where the site's end would be (a float32 model, so no casts mark the end), two norms joined along
-    the heads rather than the tokens, two joined along the tokens with different eps."""
+    the heads rather than the tokens, two joined along the tokens with different eps, a float32 norm rounded
+    through bf16 before its float32 weight (its output in x's dtype again)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -346,6 +356,9 @@ class LookAlike(torch.nn.Module):
             q, k = (_rope(_norm(t).to(t.dtype) * 2.0, cos, sin) for t in (q, k))
         elif self.kind == "float32 norm":
             q, k = (_rope(_norm(t), cos, sin) for t in (q, k))
+        elif self.kind == "rounded through bf16":
+            weight = torch.linspace(0.5, 1.5, q.shape[-1])
+            q, k = (_rope(_norm(t).to(torch.bfloat16) * weight, cos, sin) for t in (q, k))
         elif self.kind in ("joined heads", "two eps"):
             dim, eps = (2, 1e-6) if self.kind == "joined heads" else (1, 1e-5)
             q, k = (
@@ -361,10 +374,13 @@ class LookAlike(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v.to(q.dtype))))
 
 
-@pytest.mark.parametrize("kind", ["alpha", "number", "float32 norm", "5-D product", "joined heads", "two eps"])
+LOOK_ALIKES = ["alpha", "number", "float32 norm", "5-D product", "joined heads", "two eps", "rounded through bf16"]
+
+
+@pytest.mark.parametrize("kind", LOOK_ALIKES)
 def test_what_only_looks_like_a_site_is_left_as_it_is(kind):
     x, _, cos, sin, f = heads(batch=1)
-    x = x.float() if kind == "5-D product" else x
+    x = x.float() if kind in ("5-D product", "rounded through bf16") else x
     args = (x, x * 0.5, x * 2, cos, sin, f)
     program = torch.export.export(LookAlike(kind), args)
     rewritten = decomposed(program, norm_rope=True)
