@@ -224,6 +224,28 @@ def per_part(factors: tuple[Any, ...], xs: list[Any]) -> list[tuple[Any, ...]] |
     return cut
 
 
+def checked(
+    xs: list[Any], weights: list[Any], factors: list[tuple[Any, ...]], out_dtype: torch.dtype
+) -> list[tuple[Any, ...]]:
+    """The factors the kernel reads for the parts `xs`, one tuple a part ((cos, sin), or (pairs,) flattened
+    to head_dim entries), where `factors` holds one a part or one for the joint sequence (`per_part`), with
+    the parts checked (`problem`); real or fake tensors.
+
+    Raises:
+        ValueError: what the kernel cannot take, as `problem` says, or joint factors that do not span the
+            parts' joint sequence.
+    """
+    if len(factors) == 1 and len(xs) == 2:
+        cut = per_part(factors[0], xs)
+        if cut is None:
+            raise ValueError(f"norm_rope: factors {tuple(factors[0][0].shape)} do not span the parts' joint sequence")
+        factors = cut
+    trouble = problem(xs, weights, factors, out_dtype)
+    if trouble:
+        raise ValueError(f"norm_rope: {trouble}")
+    return factors
+
+
 def _seq_axis(f: Any) -> int | None:
     """The axis of `f` that broadcasts to x's seq in (batch, seq, heads, head_dim), None where it has none
     or is 1 long."""
@@ -241,22 +263,14 @@ def _launch(
     xs: list[torch.Tensor],
     weights: list[torch.Tensor | None],
     eps: float,
-    factors: list[torch.Tensor],
+    factors: list[tuple[torch.Tensor, ...]],
     out_dtype: torch.dtype,
     round_first: bool,
     complex_: bool,
 ) -> torch.Tensor:
-    """The ops' body: `factors` one per part or one for the joint sequence, each (cos, sin) stacked, or
-    (pairs,) where `complex_`."""
-    width = 1 if complex_ else 2
-    stacked = [tuple(factors[i : i + width]) for i in range(0, len(factors), width)]
-    if len(stacked) == 1 and len(xs) == 2:
-        stacked = per_part(stacked[0], xs)
-        if stacked is None:
-            raise ValueError(f"norm_rope: factors {tuple(factors[0].shape)} do not span the parts' joint sequence")
-    trouble = problem(xs, weights, stacked, out_dtype)
-    if trouble:
-        raise ValueError(f"norm_rope: {trouble}")
+    """The ops' body: `factors` one tuple a part or one for the joint sequence, (cos, sin), or (pairs,)
+    where `complex_`."""
+    stacked = checked(xs, weights, factors, out_dtype)
     if xs[0].device.type == "cpu" and not _INTERPRETED:
         parts = zip(xs, weights, stacked, strict=True)  # the complex form's `sin` is None
         return torch.cat([reference(x, w, eps, *(*f, None)[:2], out_dtype, round_first) for x, w, f in parts], 1)
@@ -311,8 +325,7 @@ def norm_rope_real(
     """
     if len(cos) != len(sin):
         raise ValueError(f"norm_rope: cos and sin must come alike, one per part or one, not {len(cos)} and {len(sin)}")
-    factors = [t for pair in zip(cos, sin, strict=True) for t in pair]
-    return _launch(x, weight, eps, factors, out_dtype, round_first, complex_=False)
+    return _launch(x, weight, eps, list(zip(cos, sin, strict=True)), out_dtype, round_first, complex_=False)
 
 
 @triton_op("aot_rope::norm_rope_complex", mutates_args=())
@@ -334,4 +347,4 @@ def norm_rope_complex(
     """
     if any(f.dim() < 2 or f.shape[-1] != 2 for f in pairs):
         raise ValueError(f"norm_rope: pairs must be (..., head_dim / 2, 2), not {[tuple(f.shape) for f in pairs]}")
-    return _launch(x, weight, eps, [f.flatten(-2) for f in pairs], out_dtype, round_first, complex_=True)
+    return _launch(x, weight, eps, [(f.flatten(-2),) for f in pairs], out_dtype, round_first, complex_=True)

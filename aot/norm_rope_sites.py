@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from aot.norm_rope import E4M3_MAX, norm_rope_complex, norm_rope_real, per_part, problem
+from aot.norm_rope import E4M3_MAX, checked, norm_rope_complex, norm_rope_real
 from aot.rotations import complex_product, is_call, stacked_pairs
 
 aten = torch.ops.aten
@@ -25,10 +25,10 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
     the complex form, `view_as_real(view_as_complex(n.float() as pairs) * f).flatten()` (`rotations`),
     rounded back to n's dtype; what reads the rotated tensor is attention itself (aten's SDPA or a custom
     op, through views, or through `fa3.unit_scaled`'s saturated FP8 cast, which the call then makes);
-    and `problem` has nothing against the tensors. Text and image heads joined along the sequence count
-    as one site, in two parts, where two such norms are joined before the rotation (FLUX's double block,
-    `rope(cat([n_1, n_2], 1))`) or two rotations after (Qwen-Image's, `cat([rope_1(n_1), rope_2(n_2)], 1)`),
-    with the same eps and rounding: the call writes the joint heads and the `cat` is gone. Elsewhere
+    and the kernel takes the tensors (`norm_rope.checked`). Text and image heads joined along the sequence
+    count as one site, in two parts, where two such norms are joined before the rotation (FLUX's double
+    block, `rope(cat([n_1, n_2], 1))`) or two rotations after (Qwen-Image's, `cat([rope_1(n_1), rope_2(n_2)],
+    1)`), with the same eps and rounding: the call writes the joint heads and the `cat` is gone. Elsewhere
     Inductor's own kernel keeps what it fuses after the rotation (sage's INT8 quantization), so the site
     is left.
 
@@ -54,10 +54,9 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
             (torch.view_as_real(f[0].meta["val"]).flatten(-2),) if complex_ else tuple(t.meta["val"] for t in f)
             for f in factors
         ]
-        if len(factor_values) < len(values):
-            factor_values = per_part(factor_values[0], values)
-        weight_values = [None if w is None else w.meta["val"] for w in weights]
-        if factor_values is None or problem(values, weight_values, factor_values, out_dtype):
+        try:
+            checked(values, [None if w is None else w.meta["val"] for w in weights], factor_values, out_dtype)
+        except ValueError:
             continue
         *_, eps, round_first = norms[0]
         with graph.inserting_before(end):
