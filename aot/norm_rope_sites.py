@@ -102,7 +102,7 @@ _ATTENTION = {
 Norm = tuple[torch.fx.Node, "torch.fx.Node | None", float, bool]
 
 
-def _users(node: torch.fx.Node) -> list[torch.fx.Node]:
+def readers(node: torch.fx.Node) -> list[torch.fx.Node]:
     """`node`'s users but export's metadata asserts, which read nothing."""
     return [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
 
@@ -114,7 +114,7 @@ def _through(node: Any, *targets: Any) -> Any:
     return node
 
 
-def _to(node: Any, dtype: torch.dtype | None = None) -> Any:
+def cast_from(node: Any, dtype: torch.dtype | None = None) -> Any:
     """x where `node` is `x.to(dtype)` (`aten._to_copy`; any dtype where None), or `node` itself where it
     is already of `dtype` (export writes no cast to a tensor's own dtype); else None."""
     if is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"}:
@@ -128,7 +128,7 @@ def _back(end: Any) -> tuple[Any, Any]:
     """(y, n) where `end` is `y.type_as(n)`, (y, dtype) where it is `y.to(dtype)`, else (end, its dtype)."""
     if is_call(end, aten.type_as.default):
         return end.args[0], end.args[1]
-    inner = _to(end)
+    inner = cast_from(end)
     return (inner, end.kwargs["dtype"]) if inner is not None else (end, getattr(end.meta.get("val"), "dtype", None))
 
 
@@ -145,11 +145,11 @@ def _head_norm(node: Any) -> Norm | None:
         weight, rounded = None, node
         if _plain_mul(node) and not is_call(node.args[1], aten.rsqrt.default):
             weight, rounded = node.args[1], node.args[0]
-        scaled = _to(rounded) or rounded
+        scaled = cast_from(rounded) or rounded
         if not _plain_mul(scaled) or not is_call(scaled.args[1], aten.rsqrt.default):
             return None
         x, total = scaled.args[0], scaled.args[1].args[0]
-        if rounded is not scaled and _to(rounded, x.meta["val"].dtype) is not scaled:
+        if rounded is not scaled and cast_from(rounded, x.meta["val"].dtype) is not scaled:
             return None  # rounded to another dtype than x's, which the kernel's rounding would not repeat
         if not is_call(total, aten.add.Tensor) or total.kwargs or not isinstance(total.args[1], float):
             return None
@@ -157,7 +157,7 @@ def _head_norm(node: Any) -> Norm | None:
         ok = is_call(mean, aten.mean.dim) and list(mean.args[1]) == [-1] and mean.args[2:] == (True,)
         square = mean.args[0] if ok else None
         ok = ok and is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2
-        found = (x, weight, total.args[1], True), ok and _to(square.args[0], torch.float32) is x
+        found = (x, weight, total.args[1], True), ok and cast_from(square.args[0], torch.float32) is x
     (x, weight, *_), ok = found
     nodes = isinstance(x, torch.fx.Node) and (weight is None or isinstance(weight, torch.fx.Node))
     if not (ok and nodes and x.meta["val"].dim() == 4 and node.meta["val"].dtype == x.meta["val"].dtype):
@@ -190,7 +190,7 @@ def _real_site(end: torch.fx.Node) -> Site | None:
         return None
     for plain, turned in (total.args, total.args[::-1]):
         for (a, cos), (b, sin) in ((p, q) for p in _products(plain) for q in _products(turned)):
-            normed, stack = _to(a, torch.float32), _through(_to(b, torch.float32), aten.view.default)
+            normed, stack = cast_from(a, torch.float32), _through(cast_from(b, torch.float32), aten.view.default)
             pairs = stacked_pairs(stack) if isinstance(stack, torch.fx.Node) else None
             parts = _head_norms(normed)
             if parts is not None and pairs is not None and _through(pairs, aten.view.default) is normed:
@@ -209,7 +209,7 @@ def _complex_site(end: torch.fx.Node) -> Site | None:
     if found is None:
         return None
     pairs, f = found
-    normed = _to(_through(pairs, aten.view.default), torch.float32)
+    normed = cast_from(_through(pairs, aten.view.default), torch.float32)
     parts = _head_norms(normed)
     if parts is None or not (back is normed or back == normed.meta["val"].dtype):
         return None
@@ -269,10 +269,10 @@ def _computing(node: torch.fx.Node, inputs: tuple[Any, ...], limit: int = 16) ->
 def _saturated_cast(end: torch.fx.Node) -> tuple[torch.dtype, torch.fx.Node]:
     """(float8_e4m3fn, the cast) where all that reads `end` is `end.clamp(-448, 448).to(float8_e4m3fn)`
     (`fa3.unit_scaled`); else (end's dtype, end)."""
-    users = _users(end)
+    users = readers(end)
     if len(users) == 1 and is_call(users[0], aten.clamp.default) and tuple(users[0].args[1:]) == (-E4M3_MAX, E4M3_MAX):
-        casts = _users(users[0])
-        if len(casts) == 1 and _to(casts[0], torch.float8_e4m3fn) is users[0]:
+        casts = readers(users[0])
+        if len(casts) == 1 and cast_from(casts[0], torch.float8_e4m3fn) is users[0]:
             return torch.float8_e4m3fn, casts[0]
     return end.meta["val"].dtype, end
 
@@ -287,7 +287,7 @@ def _feeding(start: torch.fx.Node, end: torch.fx.Node, limit: int = 32) -> set[t
         if node is end or node in seen:
             continue
         seen.add(node)
-        users = _users(node)
+        users = readers(node)
         if not users or len(seen) > limit:
             return None
         todo += users
@@ -296,13 +296,13 @@ def _feeding(start: torch.fx.Node, end: torch.fx.Node, limit: int = 32) -> set[t
 
 def _read_by_attention(node: torch.fx.Node) -> bool:
     """Whether all that reads `node` is attention: aten's SDPA or a custom op, through layout ops."""
-    for user in _users(node):
+    for user in readers(node):
         if user.target in _LAYOUT:
             if not _read_by_attention(user):
                 return False
         elif user.target not in _ATTENTION and not _is_custom_op(user.target):
             return False
-    return bool(_users(node))
+    return bool(readers(node))
 
 
 def _is_custom_op(target: Any) -> bool:
