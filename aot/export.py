@@ -207,7 +207,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
             f"sides {resolution.min_side}..{resolution.max_side} px: give two sizes (min_side < max_side); "
             "the captures at both ends find which block inputs follow the image size"
         )
-    failed, norm_rope = [], trials.norm_rope.value == "on"
+    failed = []
     # Vector ISA and target (portability.py); the compilers start working now, while the blocks are captured.
     with portability.compile_scope(transformer.device):
         start_compile_workers(transformer.device)
@@ -215,7 +215,7 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
         for kernel in kernels:  # the plan's attention kernels, each a trial; the last one has no fallback
             try:
                 note = _attention_note(classes, kernel, timed=trials.attention.asked == "auto")
-                packages, granularity, walked = _compile_classes(classes, kernel, trials.fp8, norm_rope)
+                packages, granularity, walked = _compile_classes(classes, kernel, trials.fp8, trials.ours)
                 break
             except Exception as exc:
                 if kernel == kernels[-1]:
@@ -227,10 +227,10 @@ def compile_blocks(pipe: Any, target: Target, trials: Trials) -> Compiled:
     log.info("%s", attention)
     log.info("%s", fp8)
     fa3_kernel = trials.fa3_kernel if kernel in FA3_KERNELS else None
-    valid_for = fingerprint(transformer, resolution, kernel, fp8.value, fa3_kernel, trials.norm_rope.value)
+    valid_for = fingerprint(transformer, resolution, kernel, fp8.value, fa3_kernel, trials.ours)
     valid_for["cpu_isa"] = portability.isa_built_for(transformer.device)  # what they need: portability.isa_problem
     valid_for.update(portability.runtimes_needed(*(p.package for p in packages.values())))  # and runtime_problem
-    decisions = [trials.planned, attention, fp8, trials.norm_rope]
+    decisions = [trials.planned, attention, fp8, trials.norm_rope, trials.row_fp8]
     return Compiled(packages, decisions, resolution, fa3_kernel, granularity, valid_for)
 
 
@@ -316,11 +316,11 @@ def _timed_note(classes: dict[str, Captured], kernel: str) -> str:
 
 
 def _compile_classes(
-    classes: dict[str, Captured], attention: str, fp8: Walk, norm_rope: bool = False
+    classes: dict[str, Captured], attention: str, fp8: Walk, ours: frozenset[str] = frozenset()
 ) -> tuple[dict[str, BlockPackage], str | None, list[str]]:
     """One package per class with `attention`; FP8 at the first of `fp8.steps` (granularities) whose
-    trial runs. `classes`: class name -> `Captured`; `norm_rope`: each head's norm and RoPE in
-    norm_rope.py's kernel (`lowering.compile_package`).
+    trial runs. `classes`: class name -> `Captured`; `ours`: the kernels of ours the packages compute with
+    (`Trials.ours`, `lowering.compile_package`).
 
     The granularities are walked in order. One whose FP8 block fails to export, compile, load or
     run for a class is dropped for every class (the GPU cannot run it) and the next is tried. A
@@ -340,7 +340,7 @@ def _compile_classes(
 
     def bf16(name: str) -> BlockPackage:
         block, inputs, contract, references, _ = classes[name]
-        package = _compile_class(name, block, inputs, contract, attention, references, None, norm_rope)
+        package = _compile_class(name, block, inputs, contract, attention, references, None, ours)
         if not package.rel_error <= bound:
             raise RuntimeError(
                 f"{name}: compiled package differs from eager by {package.rel_error:.2e} (relative), above {bound:.0e}"
@@ -357,7 +357,7 @@ def _compile_classes(
         counts = quantize_block_(quantized, granularity, rows)
         if counts[0] == 0:
             return counts, None
-        return counts, _compile_class(name, quantized, inputs, contract, attention, references, granularity, norm_rope)
+        return counts, _compile_class(name, quantized, inputs, contract, attention, references, granularity, ours)
 
     walk, granularities = [], fp8.steps
     for granularity in granularities:
@@ -396,10 +396,10 @@ def _compile_class(
     attention: str,
     references: list[Any],
     fp8: str | None,
-    norm_rope: bool = False,
+    ours: frozenset[str] = frozenset(),
 ) -> BlockPackage:
-    """Export and compile `block` (FP8-quantized at granularity `fp8`, or None; `norm_rope`: each head's
-    norm and RoPE in norm_rope.py's kernel) under `attention`
+    """Export and compile `block` (FP8-quantized at granularity `fp8`, or None; `ours`: the kernels of ours
+    it computes with, `Trials.ours`) under `attention`
     ("fa3", "fa3-fp8", "sage" or "sdpa") on the first of `inputs` (a block's captured calls), then run the package on
     each of them against the eager block's output there (`references`): the trial covers every
     captured shape, both image sizes and, where the text length follows the prompt, the shortest
@@ -414,7 +414,7 @@ def _compile_class(
         if not any(node.target is op for node in exported.graph.nodes):
             raise RuntimeError(f"{name}: attention={attention}, but the exported graph calls no {op}")
     start = time.perf_counter()
-    package = compile_package(exported, fp8, norm_rope)
+    package = compile_package(exported, fp8, ours)
     compile_s = time.perf_counter() - start
     runner, constants = bind(package, block)
     with torch.no_grad():

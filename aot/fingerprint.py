@@ -33,12 +33,12 @@ def fingerprint(
     attention: str,
     fp8: str,
     fa3_kernel: str | None,
-    norm_rope: str = "off",
+    ours: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """What packages compiled for `transformer` are valid for (JSON-able): `attention` the kernel
     ("fa3", "fa3-fp8", "sage", "sdpa"), `fp8` the granularity (`options.FP8_GRANULARITIES`) or "off", `fa3_kernel`
-    where FA3 is loaded from (None unless `attention` calls FA3), `norm_rope` "on" where each head's norm and
-    RoPE are norm_rope.py's kernel (`plans.resolve_norm_rope`), else "off"."""
+    where FA3 is loaded from (None unless `attention` calls FA3), `ours` the kernels of ours the packages
+    compute with (`plans.Trials.ours`): "norm_rope" "on" or "off", and "row_fp8": "on" where it is one."""
     import diffusers  # heavy: at first use
     import torchao  # heavy: at first use
 
@@ -66,7 +66,8 @@ def fingerprint(
         "attention": attention,
         "fa3_kernel": fa3_kernel,
         "fp8": fp8,  # the granularity, or off
-        "norm_rope": norm_rope,
+        "norm_rope": "on" if "norm_rope" in ours else "off",
+        **({"row_fp8": "on"} if "row_fp8" in ours else {}),  # only where on: packages saved before it still match
         "blocks": {
             name: {
                 "count": len(found),
@@ -80,10 +81,10 @@ def fingerprint(
 
 def variant(fp: dict[str, Any]) -> str:
     """`fa3-fp8row-512-1536`, `fa3-fp8-fp8row-normrope-512-1536`, `sdpa-bfloat16-512-1536`, ...: the choices
-    that change the graph (attention, FP8 or dtype, norm_rope.py's kernel, side range), so sets compiled for
+    that change the graph (attention, FP8 or dtype, the kernels of ours, side range), so sets compiled for
     other choices live side by side."""
     precision = "fp8" + fp["fp8"] if fp["fp8"] != "off" else fp["dtype"]
-    kernel = "-normrope" if fp.get("norm_rope") == "on" else ""
+    kernel = "-normrope" * (fp.get("norm_rope") == "on") + "-rowfp8" * (fp.get("row_fp8") == "on")
     return f"{fp['attention']}-{precision}{kernel}-{fp['sizes'][0]}-{fp['sizes'][1]}"
 
 

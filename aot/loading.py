@@ -66,7 +66,7 @@ def load_packages(source: str, pipe: Any, target: Target, trials: Trials) -> tup
     for kernel in trials.attention.steps:
         fa3_kernel = trials.fa3_kernel if kernel in FA3_KERNELS else None
         for granularity in [*trials.fp8.steps, "off"]:
-            here = fingerprint(transformer, resolution, kernel, granularity, fa3_kernel, trials.norm_rope.value)
+            here = fingerprint(transformer, resolution, kernel, granularity, fa3_kernel, trials.ours)
             candidates.setdefault(variant(here), here)
     try:
         folder, label, cache = _fetch(source, list(candidates))

@@ -25,6 +25,7 @@ import torch
 
 from aot.norm_rope_sites import fuse_norm_rope
 from aot.rotations import flip_pair_rotations, is_pair_rotation
+from aot.row_fp8_sites import fuse_row_fp8
 from aot.shared_inputs import has_common_subexpressions, merge_common_subexpressions, shared_exact_inputs
 from aot.thread_flags import ThreadFlag
 
@@ -232,19 +233,24 @@ def persistent_rows() -> Any:
     return PersistentRows()
 
 
-def decomposed(exported: torch.export.ExportedProgram, norm_rope: bool = False) -> torch.export.ExportedProgram:
-    """`exported` with `DECOMPOSITIONS` run on it, with `norm_rope` each head's norm and RoPE as one call of
-    norm_rope.py's kernel (`fuse_norm_rope`), the pair rotations left flipped (`flip_pair_rotations`) and
-    its common subexpressions merged (`merge_common_subexpressions`); `exported` itself where it has no
-    tanh GELU, no pair rotation and nothing to merge (a re-trace costs 0.35-0.72 s per FLUX block class:
-    BENCHMARKS.md). `exported` is left as it was."""
+def decomposed(
+    exported: torch.export.ExportedProgram, ours: frozenset[str] = frozenset()
+) -> torch.export.ExportedProgram:
+    """`exported` with `DECOMPOSITIONS` run on it, the kernels of ours in `ours` written in (with "norm_rope"
+    each head's norm and RoPE as one call of norm_rope.py's kernel, `fuse_norm_rope`; with "row_fp8" the FP8
+    rows of a `cat` or a GELU as one call of row_fp8.py's, `fuse_row_fp8`), the pair rotations left flipped
+    (`flip_pair_rotations`) and its common subexpressions merged (`merge_common_subexpressions`); `exported`
+    itself where it has no tanh GELU, no pair rotation, nothing to merge and "row_fp8" is not asked (a
+    re-trace costs 0.35-0.72 s per FLUX block class: BENCHMARKS.md). `exported` is left as it was."""
     graphs = [m.graph for m in exported.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
     rewrites = any(_is_tanh_gelu(node) or is_pair_rotation(node) for graph in graphs for node in graph.nodes)
-    if not rewrites and not has_common_subexpressions(exported.graph):
+    if not rewrites and "row_fp8" not in ours and not has_common_subexpressions(exported.graph):
         return exported  # (nested graphs: an autocast region's, which the decomposition inlines)
     program = exported.run_decompositions(DECOMPOSITIONS)  # a new program: its graph is ours to edit
-    if norm_rope:
+    if "norm_rope" in ours:
         fuse_norm_rope(program.graph_module)
+    if "row_fp8" in ours:
+        fuse_row_fp8(program.graph_module)
     flip_pair_rotations(program.graph_module)
     merge_common_subexpressions(program.graph_module)
     return program
@@ -303,8 +309,10 @@ def _teach_native_min_max() -> None:
     TritonOverrides.minimum, TritonOverrides.maximum = written("minimum"), written("maximum")
 
 
-def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = None, norm_rope: bool = False) -> bytes:
-    """AOTInductor-compile `exported` (after `decomposed`, `norm_rope` passed on) into a weights-less `.pt2`
+def compile_package(
+    exported: torch.export.ExportedProgram, fp8: str | None = None, ours: frozenset[str] = frozenset()
+) -> bytes:
+    """AOTInductor-compile `exported` (after `decomposed`, `ours` passed on) into a weights-less `.pt2`
     package; returns its bytes. `fp8`: the FP8 granularity its linear layers were quantized at, or None; it
     picks the settings `FP8_INDUCTOR_CONFIGS` holds for it over `INDUCTOR_CONFIGS`.
 
@@ -316,7 +324,7 @@ def compile_package(exported: torch.export.ExportedProgram, fp8: str | None = No
     from torch._inductor.virtualized import V
 
     _lower_tanh_approx()
-    exported = decomposed(exported, norm_rope)
+    exported = decomposed(exported, ours)
     settings = {**INDUCTOR_CONFIGS, **FP8_INDUCTOR_CONFIGS.get(fp8, {})}
     settings["aot_inductor.model_name_for_generated_files"] = f"block_{uuid.uuid4().hex}"
     with (

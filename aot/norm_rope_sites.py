@@ -4,7 +4,7 @@ norm_rope.py's kernel instead (`fuse_norm_rope`, which `lowering.decomposed` run
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -72,7 +72,7 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
             fused = graph.call_function(op._opoverload, args)
             fused.meta["val"] = values[0].new_empty(shape, dtype=out_dtype)
         end.replace_all_uses_with(fused)
-        gone = set().union(*insides, *(_computing(normed, norm[:2]) for normed, norm in parts))
+        gone = set().union(*insides, *(computing(normed, norm[:2]) for normed, norm in parts))
         for node in gone:  # export's asserts on what is gone keep it alive
             for check in [u for u in node.users if u.target is aten._assert_tensor_metadata.default]:
                 graph.erase_node(check)
@@ -253,7 +253,7 @@ def _same_shape(node: torch.fx.Node, shape: tuple[Any, ...]) -> bool:
     return len(found) == len(shape) and all(statically_known_true(m == n) for m, n in zip(found, shape, strict=True))
 
 
-def _computing(node: torch.fx.Node, inputs: tuple[Any, ...], limit: int = 16) -> set[torch.fx.Node]:
+def computing(node: torch.fx.Node, inputs: Collection[Any], limit: int = 16) -> set[torch.fx.Node]:
     """The ops above `node` up to `inputs` (not included), at most `limit` of them."""
     found: set[torch.fx.Node] = set()
     todo = [node]

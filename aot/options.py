@@ -103,6 +103,15 @@ class Options:
             choices=("auto", "on", "off"),
         ),
     )
+    row_fp8: str = field(
+        default="auto",
+        metadata=_option(
+            "AOT_ROW_FP8",
+            "the FP8 rows of a GEMM's input made from a cat or a GELU in one Triton kernel of ours (aot/row_fp8.py),"
+            " in place of Inductor's: on, off, or auto (the GPU's plan: plans.PLANS; none takes it yet)",
+            choices=("auto", "on", "off"),
+        ),
+    )
     plan: str = field(
         default="auto",
         metadata=_option(

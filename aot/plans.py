@@ -36,7 +36,8 @@ class Plan:
     next with its reason: `attention` kernels, then `fp8` granularities (bf16 after the last).
     `cublaslt_workspace_kib`: the cuBLASLt workspace, KiB, the plan gives the process
     (`set_cublaslt_workspace`); None leaves torch's. `norm_rope`: whether the blocks compute each head's
-    RMS norm and RoPE in norm_rope.py's kernel rather than Inductor's (`resolve_norm_rope`).
+    RMS norm and RoPE in norm_rope.py's kernel rather than Inductor's (`resolve_norm_rope`); `row_fp8`:
+    whether they make FP8 rows from a `cat` or a GELU in row_fp8.py's kernel (`resolve_row_fp8`).
     """
 
     name: str  # "sm_90"
@@ -47,6 +48,8 @@ class Plan:
     # Taken by the plans whose step it was measured in (BENCHMARKS.md, "Each head's norm and RoPE in a kernel
     # of ours"); `norm_rope=on` takes it on any GPU.
     norm_rope: bool = False
+    # No plan takes it yet: its step is not measured on a GPU; `row_fp8=on` takes it on any GPU.
+    row_fp8: bool = False
 
 
 # The plan per GPU, keyed by compute capability (major, minor): the first row whose range holds the
@@ -260,8 +263,9 @@ class Trials:
     planned: the decision naming the GPU's plan (`resolve_plan`); attention, fp8: each fast path's
     walk (`attention_walk`, `fp8_walk`); graphs: whether the step runs as CUDA graphs on the
     device the transformer is on (`resolve_cuda_graphs`); fa3_kernel: where FA3 is loaded from
-    (`fa3.load_fa3`), for packages that call it; norm_rope: whether the packages compute each head's
-    norm and RoPE in norm_rope.py's kernel (`resolve_norm_rope`).
+    (`fa3.load_fa3`), for packages that call it; norm_rope, row_fp8: whether the packages compute each
+    head's norm and RoPE in norm_rope.py's kernel (`resolve_norm_rope`), and FP8 rows from a `cat` or a
+    GELU in row_fp8.py's (`resolve_row_fp8`).
     """
 
     planned: Decision
@@ -270,6 +274,13 @@ class Trials:
     graphs: Decision
     fa3_kernel: str
     norm_rope: Decision
+    row_fp8: Decision
+
+    @property
+    def ours(self) -> frozenset[str]:
+        """The kernels of ours the packages compute with: "norm_rope", "row_fp8" where on
+        (`lowering.compile_package`)."""
+        return frozenset(d.name for d in (self.norm_rope, self.row_fp8) if d.value == "on")
 
     @classmethod
     def resolve(cls, options: Options, transformer: torch.nn.Module) -> Trials:
@@ -285,7 +296,7 @@ class Trials:
         attention = attention_walk(options, plan, transformer, device)
         fp8 = fp8_walk(options, plan, device)
         graphs, norm_rope = resolve_cuda_graphs(options, device), resolve_norm_rope(options, plan)
-        return cls(planned, attention, fp8, graphs, options.fa3_kernel, norm_rope)
+        return cls(planned, attention, fp8, graphs, options.fa3_kernel, norm_rope, resolve_row_fp8(options, plan))
 
 
 @dataclass(frozen=True)
@@ -457,11 +468,23 @@ def resolve_norm_rope(options: Options, plan: Plan) -> Decision:
     (`norm_rope_sites.fuse_norm_rope`): as asked, or with `auto` as the plan says (`Plan.norm_rope`). Where a
     package is compiled for a CPU, the kernel's place is taken by its torch reference, which Inductor
     compiles as its own ops."""
-    if options.norm_rope != "auto":
-        return Decision("norm_rope", options.norm_rope, "requested", options.norm_rope)
-    if plan.norm_rope:
-        return Decision("norm_rope", "on", f"auto: plan {plan.name}", "auto")
-    return Decision("norm_rope", "off", f"auto: plan {plan.name} leaves each head's norm and RoPE to Inductor", "auto")
+    return _ours("norm_rope", options.norm_rope, plan.norm_rope, plan, "each head's norm and RoPE")
+
+
+def resolve_row_fp8(options: Options, plan: Plan) -> Decision:
+    """Decide whether the packages make the FP8 rows of a `cat` or a GELU in row_fp8.py's Triton kernel
+    (`row_fp8_sites.fuse_row_fp8`): as asked, or with `auto` as the plan says (`Plan.row_fp8`). Where a
+    package is compiled for a CPU, the kernel's place is taken by its torch reference."""
+    return _ours("row_fp8", options.row_fp8, plan.row_fp8, plan, "the FP8 rows of a cat or a GELU")
+
+
+def _ours(name: str, requested: str, planned: bool, plan: Plan, what: str) -> Decision:
+    """A kernel of ours, on or off: as `requested`, or (`auto`) as `planned` by `plan`; `what` it computes."""
+    if requested != "auto":
+        return Decision(name, requested, "requested", requested)
+    if planned:
+        return Decision(name, "on", f"auto: plan {plan.name}", "auto")
+    return Decision(name, "off", f"auto: plan {plan.name} leaves {what} to Inductor", "auto")
 
 
 def _on_off_auto(name: str, requested: str, problem: str | None) -> Decision:

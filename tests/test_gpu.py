@@ -119,6 +119,44 @@ def test_the_norm_rope_kernel_matches_its_reference_at_fluxs_shape():
     low_precision_blocks_match_eager(Options(attention="fa3-fp8", fa3_kernel=FA3_KERNEL, fp8="off", norm_rope="on"))
 
 
+def test_the_row_fp8_kernel_matches_its_reference_at_fluxs_shape():
+    """row_fp8.py's kernel at FLUX.1-dev's single block, `proj_out`'s input: the attention output (1 x 4608 x
+    3072, a view of a wider tensor) and the MLP's GEMM product (1 x 4608 x 12288) with `row-after`'s row and
+    column scales and bias, then the tanh GELU, joined; and the MLP's output alone (the double block's).
+    Against its torch reference: each row's scale within a bf16 step (the GPU's tanh is `tanh.approx.f32`,
+    the reference's torch's), each FP8 entry within one FP8 step (2^-3) of its row's largest, an all-zero
+    row NaN unfloored (torchao's 0 / 0) and 0 floored; then the wide pipeline's blocks compiled with the
+    kernel at both row-wise granularities against eager."""
+    from aot import row_fp8
+
+    torch.manual_seed(0)
+    attention = (torch.randn(1, 4608, 3 * 3072, device="cuda") * 3).bfloat16()[..., :3072]
+    product = (torch.randn(1, 4608, 12288, device="cuda") * 50).bfloat16()
+    r = torch.rand(1, 4608, 1, device="cuda") * 0.1 + 0.01
+    c, b = (torch.rand(12288, device="cuda") + 0.5).bfloat16(), torch.randn(12288, device="cuda").bfloat16()
+    attention[0, 0], product[0, 0] = 0, 0
+    cases = {
+        "proj_out, row-after": (([attention, product], [None, r], [None, c], [None, b], [False, True]), True),
+        "proj_out, row": (([attention, product], [None] * 2, [None] * 2, [None] * 2, [False, True]), False),
+        "MLP out, row": (([product], [None], [None], [None], [True]), False),
+    }
+    for name, (args, floor) in cases.items():
+        data, scale = row_fp8.row_quantize(*args, floor)
+        expected, expected_scale = row_fp8.reference(*args, floor)
+        assert ((scale - expected_scale).abs() <= 2**-8 * expected_scale).all(), name
+        rows = expected_scale.squeeze(-1) > 0
+        far = (data.float() - expected.float()).abs() > 2**-3 * expected.float().abs().amax(-1, keepdim=True)
+        equal = (data.float() == expected.float())[rows].float().mean().item()
+        print(f"row_fp8 {name}: {equal:.4f} equal to the reference")
+        assert not far[rows].any(), (name, far[rows].float().mean().item())
+        zero = data[0, 0].float()
+        if not rows[0, 0]:
+            assert bool((zero == 0).all() if floor else zero.isnan().all()), name
+    for granularity in ("row", "row-after"):
+        options = Options(attention="sdpa", fp8="on", fp8_granularity=granularity, row_fp8="on")
+        low_precision_blocks_match_eager(options)
+
+
 def low_precision_blocks_match_eager(options: Options, sizes=((1024, 768),)) -> None:
     """The wide pipeline's blocks compiled with the attention `options` asks for (FP8 attention: held
     to the FP8 bound) against its eager images at each of `sizes`."""
@@ -291,7 +329,7 @@ def test_zerogpu_cards_plan_forced_on_this_gpu_times_sage_and_runs_row_scales_af
     pipe = wide_pipeline()
     expected = images(pipe)
     compiled = compile_blocks(*decided(pipe, Options(plan="12.0", fa3_kernel=FA3_KERNEL)))
-    plan, attention, fp8, _ = compiled.decisions
+    plan, attention, fp8, *_ = compiled.decisions
     print(attention)
     assert (plan.value, fp8.value) == ("sm_120", "row-after"), compiled.decisions
     assert attention.value in ("sage", "sdpa"), compiled.decisions

@@ -31,6 +31,7 @@ from aot.target import Target
 
 aten = torch.ops.aten
 OPS = (torch.ops.aot_rope.norm_rope_real.default, torch.ops.aot_rope.norm_rope_complex.default)
+NORM_ROPE = frozenset({"norm_rope"})  # what `Trials.ours` holds where the kernel is on
 
 
 def heads(seq: int = 37, heads: int = 3, head_dim: int = 32, batch: int = 2, seed: int = 0):
@@ -284,9 +285,9 @@ def test_flux_blocks_under_fp8_attention_get_one_call_each_for_q_and_k(monkeypat
     blocks = tiny_blocks("tiny-flux", "fa3-fp8")
     for name, parts in (("FluxSingleTransformerBlock", 1), ("FluxTransformerBlock", 2)):
         program, _ = blocks[name]
-        fused = calls(decomposed(program, norm_rope=True))
+        fused = calls(decomposed(program, NORM_ROPE))
         assert fused[OPS[0]] == 2 and not fused[aten.rms_norm.default] and not fused[aten.clamp.default], name
-        ops = [n for n in decomposed(program, norm_rope=True).graph.nodes if n.target in OPS]
+        ops = [n for n in decomposed(program, NORM_ROPE).graph.nodes if n.target in OPS]
         assert all(n.meta["val"].dtype == torch.float8_e4m3fn for n in ops)
         assert all(u.target is torch.ops.aot_fa3.fp8_forward.default for n in ops for u in n.users)
         weights = [[w.target for w in n.args[1]] for n in ops]
@@ -313,7 +314,7 @@ def test_rewritten_blocks_compute_the_same_bits_on_a_cpu(model, taken):
     blocks = tiny_blocks(model, "sdpa")
     for name, (op, count) in taken.items():
         program, inputs = blocks[name]
-        rewritten = decomposed(program, norm_rope=True)
+        rewritten = decomposed(program, NORM_ROPE)
         assert calls(rewritten)[op] == count, name
         with torch.no_grad():
             got, expected = (torch.utils._pytree.tree_leaves(p.module()(**inputs)) for p in (rewritten, program))
@@ -383,7 +384,7 @@ def test_what_only_looks_like_a_site_is_left_as_it_is(kind):
     x = x.float() if kind in ("5-D product", "rounded through bf16") else x
     args = (x, x * 0.5, x * 2, cos, sin, f)
     program = torch.export.export(LookAlike(kind), args)
-    rewritten = decomposed(program, norm_rope=True)
+    rewritten = decomposed(program, NORM_ROPE)
     assert not set(OPS) & set(calls(rewritten))
     with torch.no_grad():
         assert torch.equal(rewritten.module()(*args), program.module()(*args))
@@ -400,10 +401,10 @@ def test_heads_quantized_by_sage_are_left_to_inductor():
     block, inputs, contract, *_ = classes["FluxSingleTransformerBlock"]
     with attention_backend("sage"):
         program = export_block(block, inputs[0], contract)
-    assert not set(OPS) & set(calls(decomposed(program, norm_rope=True)))
+    assert not set(OPS) & set(calls(decomposed(program, NORM_ROPE)))
     with attention_backend("sdpa"):
         program = export_block(block, inputs[0], contract)
-    assert calls(decomposed(program, norm_rope=True))[OPS[0]] == 2  # the same block under SDPA
+    assert calls(decomposed(program, NORM_ROPE))[OPS[0]] == 2  # the same block under SDPA
 
 
 def test_the_plans_it_was_measured_in_take_the_kernel_and_on_or_off_is_as_asked():
@@ -424,7 +425,7 @@ def test_packages_with_and_without_the_kernel_are_told_apart():
 
     pipe = load_tiny()
     resolution = Target.of(pipe, tiny_options()).resolution
-    on, off = (fingerprint(pipe.transformer, resolution, "sdpa", "off", None, kernel) for kernel in ("on", "off"))
+    on, off = (fingerprint(pipe.transformer, resolution, "sdpa", "off", None, o) for o in (NORM_ROPE, frozenset()))
     assert (variant(on), variant(off)) == ("sdpa-float32-normrope-512-1536", "sdpa-float32-512-1536")
     assert differences(off, on) == ["norm_rope: off (packages) vs on (here)"]
 

@@ -229,8 +229,9 @@ def test_the_gpu_call_resolves_its_plan_before_the_text_encoders_run_a_gemm(monk
 def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypatch, eager_pipe):
     capability_checks_pass(monkeypatch)
     compiled = compile_blocks(*decided(load_tiny(), tiny_options(plan="9.0")))
-    plan, attention, fp8, norm_rope = compiled.decisions
-    assert (plan.value, attention.value, fp8.value, norm_rope.value) == ("sm_90", "sdpa", "off", "on")
+    plan, attention, fp8, norm_rope, row_fp8 = compiled.decisions
+    values = (plan.value, attention.value, fp8.value, norm_rope.value, row_fp8.value)
+    assert values == ("sm_90", "sdpa", "off", "on", "off")
     assert plan.reason.startswith("forced by plan=9.0 on cpu; Hopper"), plan
     trials = r"plan sm_90: fa3-fp8 failed its trial \(.+\) -> fa3 failed its trial \(.+\) -> sdpa"
     assert re.fullmatch(trials, attention.reason), attention
@@ -245,7 +246,7 @@ def test_each_plan_walks_its_chain_to_bf16_sdpa_when_every_trial_fails(monkeypat
     # class: one class is compiled.
     pipe = load_tiny()
     pipe.transformer._repeated_blocks = ["FluxSingleTransformerBlock"]
-    plan, attention, fp8, _ = compile_blocks(*decided(pipe, tiny_options(plan="12.0"))).decisions
+    plan, attention, fp8, *_ = compile_blocks(*decided(pipe, tiny_options(plan="12.0"))).decisions
     sage_skipped = "sage skipped (sage attention needs a CUDA GPU; the pipeline is on cpu)"
     assert (plan.value, attention.reason) == ("sm_120", f"plan sm_120: {sage_skipped} -> sdpa")
     walk = r"plan sm_120: row-after failed its trial \(.+\) -> tensor failed its trial \(.+\) -> bf16"
