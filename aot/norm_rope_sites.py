@@ -72,10 +72,7 @@ def fuse_norm_rope(module: torch.fx.GraphModule) -> int:
             fused = graph.call_function(op._opoverload, args)
             fused.meta["val"] = values[0].new_empty(shape, dtype=out_dtype)
         end.replace_all_uses_with(fused)
-        gone = set().union(*insides, *(computing(normed, norm[:2]) for normed, norm in parts))
-        for node in gone:  # export's asserts on what is gone keep it alive
-            for check in [u for u in node.users if u.target is aten._assert_tensor_metadata.default]:
-                graph.erase_node(check)
+        drop_asserts(graph, set().union(*insides, *(computing(normed, norm[:2]) for normed, norm in parts)))
         rewritten += 1
     if rewritten:
         graph.eliminate_dead_code()
@@ -251,6 +248,13 @@ def _same_shape(node: torch.fx.Node, shape: tuple[Any, ...]) -> bool:
     """Whether `node`'s value has `shape`, symbolic sizes included."""
     found = node.meta["val"].shape
     return len(found) == len(shape) and all(statically_known_true(m == n) for m, n in zip(found, shape, strict=True))
+
+
+def drop_asserts(graph: torch.fx.Graph, gone: Collection[torch.fx.Node]) -> None:
+    """Erase export's metadata asserts on the nodes a rewrite left unread: they would keep them alive."""
+    for node in gone:
+        for check in [u for u in node.users if u.target is aten._assert_tensor_metadata.default]:
+            graph.erase_node(check)
 
 
 def computing(node: torch.fx.Node, inputs: Collection[Any], limit: int = 16) -> set[torch.fx.Node]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from aot.norm_rope_sites import cast_from, computing, readers
+from aot.norm_rope_sites import cast_from, computing, drop_asserts, readers
 from aot.rotations import is_call
 from aot.row_fp8 import E4M3_MAX, FLOOR, GELU_CUBE, SQRT_2_OVER_PI, problem, row_quantize
 
@@ -55,10 +55,7 @@ def fuse_row_fp8(module: torch.fx.GraphModule) -> int:
         data.replace_all_uses_with(fp8)
         scale.replace_all_uses_with(scales)
         inputs = {t for part in parts for t in part[:4] if t is not None}
-        gone = inside | {scale, data} | computing(x, inputs, limit=64)
-        for node in gone:  # export's asserts on what is gone keep it alive
-            for check in [u for u in node.users if u.target is aten._assert_tensor_metadata.default]:
-                graph.erase_node(check)
+        drop_asserts(graph, inside | {scale, data} | computing(x, inputs, limit=64))
         rewritten += 1
     if rewritten:
         graph.eliminate_dead_code()
