@@ -97,7 +97,7 @@ def _part(
     if GELU:
         z = (v + v * _CUBE * v * v) * _SQRT_2_OVER_PI
         v = _bf16(v * 0.5 * (_tanh(z, GPU) + 1.0), GPU)
-    return v
+    return tl.where(ok, v, 0.0)  # past the row: 0, not what the scales made of the zeros loaded there (inf x 0)
 
 
 @triton.jit
@@ -242,6 +242,8 @@ def problem(
         )
         if not alike:
             return f"the parts' leading dims must be alike, not {lead} and {tuple(x.shape[:-1])}"
+        if statically_known_true(x.shape[-1] < 1):
+            return f"each part must have an entry a row, not {tuple(x.shape)}"
         if _row_stride(x) is None:
             return f"a part's rows must be one stride apart, not {tuple(x.stride())} for {tuple(x.shape)}"
         if (row_scale is None) != (col_scale is None) or (bias is not None and row_scale is None):
@@ -252,14 +254,14 @@ def problem(
             return (
                 f"a row scale must be {(*lead, 1)} float32, contiguous, not {tuple(row_scale.shape)} {row_scale.dtype}"
             )
-        for vector in (col_scale, bias):
-            if vector is not None and (tuple(vector.shape), vector.dtype, vector.stride(-1)) != (
-                x.shape[-1:],
-                IN_DTYPE,
-                1,
-            ):
+        for vector in (v for v in (col_scale, bias) if v is not None):
+            shaped = vector.dim() == 1 and statically_known_true(vector.shape[0] == x.shape[-1])
+            if not shaped or vector.dtype != IN_DTYPE or vector.stride(-1) != 1:
                 shown = f"{tuple(vector.shape)} {vector.dtype}"
                 return f"column scales and biases must be ({x.shape[-1]},) {IN_DTYPE}, contiguous, not {shown}"
+    width = sum(x.shape[-1] for x in xs)
+    if not statically_known_true(width % 16 == 0):
+        return f"the joined row must be a multiple of 16 entries wide, as an FP8 GEMM reads it, not {width}"
     return None
 
 

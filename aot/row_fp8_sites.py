@@ -66,13 +66,15 @@ def fuse_row_fp8(module: torch.fx.GraphModule) -> int:
 def _site(scale: torch.fx.Node) -> tuple[Any, list[Part], bool, torch.fx.Node, set[torch.fx.Node]] | None:
     """(x, its parts, whether the division floors the scale, the FP8 cast, the nodes between x and the cast)
     where `scale` is torchao's row-wise scale of x and x's FP8 rows are cast as torchao casts them; else None."""
-    x, block = scale.args[:2]
+    given = _arguments(scale)
+    x, block = given["tensor"], given["block_size"]
     value = x.meta["val"]
     row_wise = list(block) == [1] * (value.dim() - 1) + [value.shape[-1]]
-    if not row_wise or scale.kwargs.get("float8_dtype", torch.float8_e4m3fn) != torch.float8_e4m3fn:
+    dtypes = (given.get("float8_dtype", torch.float8_e4m3fn), given.get("scale_dtype", torch.float32))
+    if not row_wise or dtypes != (torch.float8_e4m3fn, torch.float32):  # torchao's defaults
         return None
-    if any(scale.kwargs.get(bound) is not None for bound in ("hp_value_lb", "hp_value_ub")):
-        return None
+    if given.get("hp_value_lb") is not None or given.get("hp_value_ub") is not None:
+        return None  # bounds on the abs-max, which the kernel does not apply
     wide = [u for u in readers(x) if u is not scale]
     if len(wide) != 1 or cast_from(wide[0], torch.float32) is not x or len(readers(wide[0])) != 1:
         return None
@@ -94,6 +96,18 @@ def _site(scale: torch.fx.Node) -> tuple[Any, list[Part], bool, torch.fx.Node, s
     joined = is_call(x, aten.cat.default) and len(x.args[0]) == 2 and (x.args[1:] or (0,))[0] in (-1, last)
     parts = [_part(p) for p in x.args[0]] if joined else [_part(x)]
     return x, parts, floored, data, {wide[0], divided, clamped[0]}
+
+
+def _arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments `node` was given, by name (export records them by position); those left out are
+    its schema's defaults."""
+    names = [a.name for a in node.target._schema.arguments]
+    return {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+
+
+def _plain_add(node: Any) -> bool:
+    """Whether `node` is `a + b` (`aten.add.Tensor`, its `alpha` left at 1)."""
+    return is_call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
 
 
 def _part(node: torch.fx.Node) -> Part:
@@ -123,7 +137,7 @@ def _gelu_of(node: Any) -> Any:
     if not is_call(product, aten.mul.Tensor) or len(readers(product)) != 1:
         return None
     half, shifted = product.args
-    if not (is_call(half, aten.mul.Tensor) and half.args[1] == 0.5 and is_call(shifted, aten.add.Tensor)):
+    if not (is_call(half, aten.mul.Tensor) and half.args[1] == 0.5 and _plain_add(shifted)):
         return None
     f = half.args[0]
     y = cast_from(f, torch.float32) if is_call(f, aten._to_copy.default) else None
@@ -131,7 +145,7 @@ def _gelu_of(node: Any) -> Any:
     if y is None or shifted.args[1] != 1 or not is_call(tanh, torch.ops.aot_lowering.tanh_approx.default):
         return None
     z = tanh.args[0]
-    if not is_call(z, aten.mul.Tensor) or z.args[1] != SQRT_2_OVER_PI or not is_call(z.args[0], aten.add.Tensor):
+    if not is_call(z, aten.mul.Tensor) or z.args[1] != SQRT_2_OVER_PI or not _plain_add(z.args[0]):
         return None
     plus, cube = z.args[0].args
     if plus is not f or not _cubed(cube, f) or y.meta["val"].dtype != torch.bfloat16:
@@ -154,11 +168,12 @@ def _scaled(node: Any) -> tuple[Any, Any, Any, Any] | None:
     (bf16); else None."""
     inner = cast_from(node, torch.bfloat16) if is_call(node, aten._to_copy.default) else None
     bias = None
-    if is_call(inner, aten.add.Tensor):
+    if _plain_add(inner):
         inner, bias = inner.args
     if not is_call(inner, aten.mul.Tensor) or not is_call(inner.args[1], aten.mul.Tensor):
         return None
     product, (rows, columns) = inner.args[0], inner.args[1].args
-    if any(not isinstance(t, torch.fx.Node) for t in (product, rows, columns, bias or product)):
-        return None
+    found = (product, rows, columns, bias or product)
+    if not all(isinstance(t, torch.fx.Node) and isinstance(t.meta.get("val"), torch.Tensor) for t in found):
+        return None  # e.g. a SymInt added or multiplied in
     return product, rows, columns, bias

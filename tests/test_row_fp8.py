@@ -79,6 +79,10 @@ for name, (args, other) in cases.items():
             torch.equal(scale, ref_scale), over(data), over(wrong), list(data.shape), data.is_contiguous(),
             bool((zero == 0).all()) or not floor or ref_scale[0, 0].item() != 0,
         ]
+x = (torch.rand(2, 112) + 1).bfloat16()  # a row scale of inf, a width no multiple of a program's chunk
+args = ([x], [torch.tensor([[float("inf")], [0.5]])], [torch.ones(112).bfloat16()], [torch.zeros(112).bfloat16()])
+scales = [f(*args, [False], True)[1] for f in (row_fp8.row_quantize, row_fp8.reference)]
+found["infinite row scale"] = [torch.equal(*scales)]
 print(json.dumps(found))
 """
 
@@ -92,13 +96,14 @@ def test_the_kernel_run_by_tritons_interpreter_matches_its_reference():
     interpreter casts to FP8 toward zero where a GPU rounds to nearest, and up to 1% of them a binade too
     low here: sage's test says why), where the reference with a GELU taken away or added is beyond for many.
     An all-zero row is 0 where the scale is floored (`RowScalesAfterGEMM`); unfloored it is torchao's 0 / 0,
-    NaN, which the interpreter casts to FP8 as a number (test_gpu.py checks it on a GPU)."""
+    NaN, which the interpreter casts to FP8 as a number (test_gpu.py checks it on a GPU). A row scale of inf
+    gives the row the reference's scale, inf, where the entries past the row would have made it NaN."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-c", INTERPRETED, str(ROOT / "tests")]
     run = subprocess.run(command, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.splitlines()[-1])
-    assert len(found) == 6
+    assert len(found) == 7 and found.pop("infinite row scale") == [True]  # inf, not inf x 0 past the row
     for case, (same_scales, over, wrong, shape, contiguous, zero_row) in found.items():
         assert same_scales and over <= 0.02 and wrong > 0.1, (case, same_scales, over, wrong)
         assert shape == [2, 7, 160 if "one part" in case else 256] and contiguous and zero_row, case
@@ -120,6 +125,9 @@ def test_the_op_is_its_reference_on_a_cpu_and_refuses_what_the_kernel_cannot_rea
         (([product], [r.bfloat16()], [c], [None], [True]), "row scale must be"),
         (([product], [r], [c[:8]], [None], [True]), "column scales and biases must be"),
         (([product] * 3, [None] * 3, [None] * 3, [None] * 3, [True] * 3), "one or two parts"),
+        (([product], [r], [torch.tensor(1.0).bfloat16()], [None], [True]), "column scales and biases must be"),
+        (([product, product[..., :0]], [None] * 2, [None] * 2, [None] * 2, [False] * 2), "an entry a row"),
+        (([product[..., :8]], [None], [None], [None], [True]), "a multiple of 16 entries wide"),
     ]
     for case, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -252,6 +260,67 @@ def test_what_only_looks_like_a_site_is_left_as_it_is(fp8_on_cpu):
         with torch.no_grad():
             program = torch.export.export(module, (torch.randn(1, 24, 256, dtype=torch.bfloat16),))
         assert calls(decomposed(program, ROW_FP8))[OP] == taken, (approximate, shared)
+
+
+class Rows(torch.nn.Module):
+    """torchao's row-wise quantization of what `make` computes, written out (no GEMM, so a CPU runs any
+    granularity): the FP8 rows as float32, and the scales."""
+
+    def __init__(self, make, floor: bool = True, **bounds):
+        super().__init__()
+        self.make, self.floor, self.bounds = make, floor, bounds
+
+    def forward(self, *inputs):
+        from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+        x = self.make(*inputs)
+        scale = _choose_scale_float8(x, [1] * (x.dim() - 1) + [x.shape[-1]], torch.float8_e4m3fn, **self.bounds)
+        divisor = scale.clamp(min=row_fp8.FLOOR) if self.floor else scale
+        return _quantize_affine_float8(x, divisor, torch.float8_e4m3fn).float(), scale
+
+
+def test_the_rewrite_takes_only_what_the_kernel_computes():
+    """Sites written out by hand: what the rewrite takes gives the same bits as before (a CPU runs the op's
+    reference); it leaves what the kernel would compute otherwise: bounds on the abs-max (torchao's
+    `hp_value_lb`, `hp_value_ub`, given by position as export records them), another scale dtype, an add
+    with an `alpha`, and a SymInt where a bias would be (which must not crash it)."""
+    from aot.lowering import DECOMPOSITIONS
+    from aot.row_fp8_sites import fuse_row_fp8
+
+    tanh = torch.ops.aot_lowering.tanh_approx
+    attention, product, r, c, b = rows()
+    gelu = lambda t: torch.nn.functional.gelu(t, approximate="tanh")  # noqa: E731
+
+    def gelu_with_alpha(y):  # `lowering.gelu_tanh_approx`'s ops, 1 + tanh written with alpha=2
+        f = y.float()
+        return (f * 0.5 * torch.add(tanh((f + f * 0.044715 * f * f) * row_fp8.SQRT_2_OVER_PI), 1, alpha=2)).bfloat16()
+
+    scaled = lambda a, p, r, c, b: torch.cat([a, gelu((p * (r * c) + b).bfloat16())], -1)  # noqa: E731
+    thrice = lambda t, b: torch.add(t, b, alpha=3).bfloat16()  # noqa: E731  # read as a plain part
+    inputs = (attention, product, r, c, b)
+    cases = {
+        "scaled and joined": (Rows(scaled), inputs, 1),
+        "unfloored": (Rows(scaled, floor=False), inputs, 1),
+        "a bound on the abs-max": (Rows(scaled, hp_value_ub=1.0), inputs, 0),
+        "a lower bound": (Rows(scaled, hp_value_lb=8.0), inputs, 0),
+        "scales in e8m0": (Rows(scaled, scale_dtype=torch.float8_e8m0fnu), inputs, 0),
+        "a bias added 3 times": (Rows(lambda a, p, r, c, b: torch.cat([a, thrice(p * (r * c), b)], -1)), inputs, 1),
+        "a GELU with alpha": (Rows(gelu_with_alpha), (product,), 0),
+    }
+    for name, (module, args, taken) in cases.items():
+        with torch.no_grad():
+            program = torch.export.export(module, args).run_decompositions(DECOMPOSITIONS)
+            expected = program.module()(*args)
+            assert (fuse_row_fp8(program.graph_module), name) == (taken, name)
+            got = program.module()(*args)
+        assert all(torch.equal(e.nan_to_num(7.0), g.nan_to_num(7.0)) for e, g in zip(expected, got, strict=True)), name
+    symbolic = Rows(lambda a, p, r, c: torch.cat([a, gelu((p * (r * c) + p.shape[1]).bfloat16())], -1))
+    seq = torch.export.Dim("seq", min=2, max=512)
+    shapes = ({1: seq}, {1: seq}, {1: seq}, None)
+    with torch.no_grad():
+        program = torch.export.export(symbolic, inputs[:4], dynamic_shapes=(shapes,))
+    # taken: the GELU's rows, the part read as Inductor computes it with the SymInt
+    assert fuse_row_fp8(program.run_decompositions(DECOMPOSITIONS).graph_module) == 1
 
 
 def test_no_plan_takes_the_kernel_yet_and_on_or_off_is_as_asked():
