@@ -85,8 +85,9 @@ log = logging.getLogger("app")
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request: a field per control, in the order of the page's inputs and the API's
-    parameters. A field left at None gets the loaded model's default (`Server.defaults`: the
-    widgets start there, and gradio_client and short raw HTTP calls get it too)."""
+    parameters. A field a call leaves out gets the loaded model's default (`Server.defaults`: the
+    widgets start there, and gradio_client and short raw HTTP calls get it too); a number or a
+    choice sent as null is refused, saying what is allowed."""
 
     prompt: str
     seed: int | None = None
@@ -230,7 +231,8 @@ def ui(server: Server) -> gr.Blocks:
             guidance_allowed = f"a number from 0 to {MAX_GUIDANCE:g}"
             controls["guidance_scale"] = server.guard("guidance_scale", guidance, guidance_allowed)
             loras = gr.Dropdown(server.loras, value=defaults["lora"], label="LoRA", visible=len(server.loras) > 1)
-            controls["lora"] = server.guard("lora", loras, "one of " + ", ".join(server.loras))
+            offered = "one of " + ", ".join(server.loras) if len(server.loras) > 1 else "none: no LoRA is offered"
+            controls["lora"] = server.guard("lora", loras, offered)
         if server.edits:
             gr.Examples(EDIT_EXAMPLES, inputs=[controls["prompt"], controls["image"]])
             # The output follows the input image's aspect ratio: the sliders show the size it gets.

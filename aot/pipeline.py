@@ -134,4 +134,6 @@ def _model_config(cls: Any, model: str, subfolder: str | None) -> dict[str, Any]
     try:
         return cls.load_config(model, subfolder=subfolder)
     except OSError as exc:
+        if os.path.isdir(model):  # a folder that holds no pipeline: no Hub advice applies
+            advice = f"Give a folder that holds a diffusers pipeline (its model_index.json). {TINY_ADVICE}"
         raise RuntimeError(f"cannot load {model!r} ({exc}). {advice}") from exc

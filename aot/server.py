@@ -111,6 +111,11 @@ def guard(component: gr.components.Component, allowed: str, before: Any = None) 
     return component
 
 
+def _number(x: float) -> str:
+    """`x` as a refusal writes it: whole numbers in full (2147483647, not 2.14748e+09), others as `:g`."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def number_problem(value: Any, low: float, high: float, whole: bool, step: float = 1) -> str | None:
     """Why `value` is not a number from `low` to `high` (a whole one where `whole`, on the grid of
     whole `step`s from `low`), or None: the one rule of the widgets (`guard`) and `Server.check_request`."""
@@ -119,9 +124,9 @@ def number_problem(value: Any, low: float, high: float, whole: bool, step: float
     if whole and value != int(value):
         return "is not a whole number"
     if value < low:
-        return f"is below {low:g}"
+        return f"is below {_number(low)}"
     if value > high:
-        return f"is above {high:g}"
+        return f"is above {_number(high)}"
     if float(step).is_integer() and step > 1 and (value - low) % step:
         return f"is not a multiple of {step:g}"
     return None

@@ -133,6 +133,7 @@ def test_each_result_is_a_whole_png_of_its_own_and_a_failed_write_leaves_nothing
         ({"steps": 0}, r"^Steps: 0 is below 1; use a whole number from 1 to 50\.$"),
         ({"guidance": 11.0}, r"^Guidance: 11\.0 is above 10; use a number from 0 to 10\.$"),
         ({"seed": -1}, r"^Seed: -1 is below 0; use a whole number from 0 to 2147483647\.$"),
+        ({"seed": 2**40}, r"^Seed: 1099511627776 is above 2147483647; use a whole number from 0 to 2147483647\.$"),
         ({"lora": "c"}, r"^LoRA: 'c' is not offered; use one of none, a, b\.$"),
     ],
 )
@@ -227,6 +228,10 @@ def test_a_prompt_only_call_gets_the_models_own_defaults_through_the_client_and_
     kind, data = raw_generate(schnell.url, ["a red fox"])
     assert kind == "complete" and "1024x1024 px, 4 steps, seed " in data, data
     assert "Guidance" not in notes, "schnell takes no guidance: its default leaves nothing to note"
+    values = plain_values()
+    values[7] = "nope"
+    kind, data = raw_generate(schnell.url, values)
+    assert kind == "error" and "LoRA: 'nope' is not offered; use none: no LoRA is offered." in data, data
 
 
 def test_a_ten_million_character_prompt_is_refused_at_once(client, server_log):
@@ -456,12 +461,16 @@ def test_a_long_prompts_cut_text_stays_out_of_the_log_and_the_notes_say_it_was_c
     assert any("word599" in r.getMessage() for r in records), "the stand-in for 'before' logged no cut text"
 
 
-def test_a_local_folder_that_is_not_there_is_named_with_the_tiny_pipelines(monkeypatch):
+def test_a_local_folder_that_is_not_there_or_holds_no_pipeline_is_named_with_the_tiny_pipelines(monkeypatch):
     # A typo under a folder that exists is a missing folder, not an unreachable Hub repo.
     monkeypatch.chdir(ROOT)
     with pytest.raises(RuntimeError, match="cannot load 'assets/nonexistent': there is no such folder") as refused:
         load_pipeline(Options(model="assets/nonexistent", device="cpu"))
     assert "assets/tiny-flux, " in str(refused.value) and "Hub" not in str(refused.value), refused.value
+    # A folder that is there but holds no pipeline (LoRA files) is told so, without the Hub's advice.
+    with pytest.raises(RuntimeError, match="Give a folder that holds a diffusers pipeline") as refused:
+        load_pipeline(Options(model="assets/tiny-flux-loras", device="cpu"))
+    assert "Offline" not in str(refused.value), refused.value
 
 
 def test_large_model_without_cuda_names_what_it_needs(tmp_path):
