@@ -132,7 +132,7 @@ def _is_choose_scale(node: torch.fx.Node) -> bool:
 def _gelu_of(node: Any) -> Any:
     """y where `node` is `lowering.gelu_tanh_approx(y)` in bf16 as the decomposition writes it:
     `(f * 0.5 * (tanh_approx((f + f * 0.044715 * f * f) * sqrt(2/pi)) + 1)).to(bf16)`, f = `y.float()`,
-    each product in that order, every intermediate read by the GELU alone; else None."""
+    each product in that order, the last product read by the cast alone; else None."""
     product = cast_from(node, torch.bfloat16) if is_call(node, aten._to_copy.default) else None
     if not is_call(product, aten.mul.Tensor) or len(readers(product)) != 1:
         return None
