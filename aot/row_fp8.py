@@ -32,15 +32,15 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op, wrap_triton
 
+from aot.gelu import GELU_CUBE, SQRT_2_OVER_PI, TANH_APPROX_PTX, gelu_tanh_approx
+
 # float8_e4m3fn's largest finite value: torchao's scale is a row's abs-max over it, and the cast saturates there.
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 # float32's smallest normal: `RowScalesAfterGEMM` divides by the scale clamped here (an all-zero row).
 FLOOR = torch.finfo(torch.float32).tiny
-# The tanh GELU's constants, as torch's formula and `lowering.gelu_tanh_approx` write them.
-GELU_CUBE = 0.044715
-SQRT_2_OVER_PI = 0.7978845608028654
-# The constants above as the kernel reads them.
+# The floor and the tanh GELU's constants (gelu.py) as the kernel reads them.
 _FLOOR, _CUBE, _SQRT_2_OVER_PI = tl.constexpr(FLOOR), tl.constexpr(GELU_CUBE), tl.constexpr(SQRT_2_OVER_PI)
+_TANH_PTX = tl.constexpr(TANH_APPROX_PTX)
 # Entries of a row a program reads at a time, and its warps: 8 bf16 entries (16 bytes) a thread.
 CONFIG = triton.Config({"BLOCK": 1024}, num_warps=4)
 # The one dtype the parts come in: the GEMM outputs and attention outputs of bf16 blocks.
@@ -51,10 +51,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tanh(z, GPU: tl.constexpr):
-    """tanh(z) in float32: PTX's `tanh.approx.f32` (`lowering.TANH_APPROX_PTX`, what the GELU Inductor
+    """tanh(z) in float32: PTX's `tanh.approx.f32` (`gelu.TANH_APPROX_PTX`, what the GELU Inductor
     compiles uses), or (not on a GPU: Triton's interpreter, which runs no PTX) 1 - 2 / (exp(2z) + 1)."""
     if GPU:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [z], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_TANH_PTX, "=r,r", [z], dtype=tl.float32, is_pure=True, pack=1)
     return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
 
 
@@ -188,18 +188,15 @@ def part_value(
 ) -> torch.Tensor:
     """One part's values as the graph computes them, in torch ops: x, or (`row_scale` and `col_scale`
     given) `(x * (row_scale * col_scale) + bias).to(x.dtype)` in float32, as `fp8.RowScalesAfterGEMM`
-    writes it; then (`gelu`) `lowering.gelu_tanh_approx`'s tanh GELU with `torch.tanh` (what
-    `lowering.tanh_approx` is outside a GPU package), rounded to x's dtype."""
+    writes it; then (`gelu`) `gelu.gelu_tanh_approx`, the tanh GELU the graph was decomposed with (its
+    `tanh_approx` is `torch.tanh` outside a GPU package), rounded to x's dtype."""
     v = x
     if row_scale is not None:
         v = x * (row_scale * col_scale)
         if bias is not None:
             v = v + bias
         v = v.to(x.dtype)
-    if gelu:
-        f = v.float()
-        v = (f * 0.5 * (torch.tanh((f + f * GELU_CUBE * f * f) * SQRT_2_OVER_PI) + 1)).to(x.dtype)
-    return v
+    return gelu_tanh_approx(v, "tanh") if gelu else v
 
 
 def reference(

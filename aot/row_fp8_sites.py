@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
+from aot.gelu import GELU_CUBE, SQRT_2_OVER_PI
 from aot.norm_rope_sites import cast_from, computing, drop_asserts, readers
 from aot.rotations import is_call
-from aot.row_fp8 import E4M3_MAX, FLOOR, GELU_CUBE, SQRT_2_OVER_PI, problem, row_quantize
+from aot.row_fp8 import E4M3_MAX, FLOOR, problem, row_quantize
 
 aten = torch.ops.aten
 # A part of a row as the kernel reads it: x, its row scale, column scale and bias (or None), and whether a
@@ -26,7 +27,7 @@ def fuse_row_fp8(module: torch.fx.GraphModule) -> int:
     A site is torchao's quantization of an activation x (`Float8Tensor`'s: `torchao.choose_scale_float8(x,
     [1, ..., k])`, s, and `(x.float() / d).clamp(-448, 448).to(float8_e4m3fn)` with d = s, or s clamped at
     float32's smallest normal as `fp8.RowScalesAfterGEMM` divides), where x is read by nothing else and is
-    `cat([x_1, x_2], -1)` or one part; each part is y or `gelu(y)` (`lowering.gelu_tanh_approx`'s ops)
+    `cat([x_1, x_2], -1)` or one part; each part is y or `gelu(y)` (`gelu.gelu_tanh_approx`'s ops)
     with y an input or `(p * (r * c) + b).to(bf16)` (`RowScalesAfterGEMM`'s scales and bias after its
     GEMM); at least one part has a GELU, or there are two; and the kernel takes the tensors
     (`row_fp8.problem`). FLUX's single block's `proj_out` input is such a row, `cat([attention, gelu(mlp)],
@@ -130,7 +131,7 @@ def _is_choose_scale(node: torch.fx.Node) -> bool:
 
 
 def _gelu_of(node: Any) -> Any:
-    """y where `node` is `lowering.gelu_tanh_approx(y)` in bf16 as the decomposition writes it:
+    """y where `node` is `gelu.gelu_tanh_approx(y)` in bf16 as the decomposition writes it:
     `(f * 0.5 * (tanh_approx((f + f * 0.044715 * f * f) * sqrt(2/pi)) + 1)).to(bf16)`, f = `y.float()`,
     each product in that order, the last product read by the cast alone; else None."""
     product = cast_from(node, torch.bfloat16) if is_call(node, aten._to_copy.default) else None

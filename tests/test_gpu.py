@@ -279,11 +279,11 @@ def test_row_scales_after_the_gemm_match_cublas_row_wise_gemm():
 
 
 def test_a_cuda_packages_tanh_gelu_runs_the_tanh_instruction_within_its_bound():
-    """In a CUDA package `lowering.tanh_approx` is PTX's tanh.approx.f32, at most 2^-11 of tanh off (PTX ISA):
+    """In a CUDA package `gelu.tanh_approx` is PTX's tanh.approx.f32, at most 2^-11 of tanh off (PTX ISA):
     a float32 GELU stays within 0.5 |x| 2^-11 plus float32 rounding of torch's, which uses libdevice's tanhf.
     Were the package's tanh libdevice's too (within 2 ulp), only the rounding would part them, under 2e-6 for
     |x| <= 12 (a float32 ulp of 12 is 9.5e-7); the instruction's own error (about 1e-5 of tanh,
-    `lowering.TANH_APPROX_PTX`) shows through: 5.5e-6 at most on an H100 (2026-12-06)."""
+    `gelu.TANH_APPROX_PTX`) shows through: 5.5e-6 at most on an H100 (2026-12-06)."""
     from aot.lowering import compile_package
     from aot.runner import bind
 

@@ -19,7 +19,8 @@ from torch._inductor.virtualized import V
 
 from aot import lowering, rotations
 from aot.blocks import rel_error
-from aot.lowering import compile_package, decomposed, gelu_tanh_approx
+from aot.gelu import gelu_tanh_approx, tanh_approx
+from aot.lowering import compile_package, decomposed
 from aot.runner import bind
 
 aten = torch.ops.aten
@@ -90,11 +91,11 @@ def test_the_tanh_gelu_is_torchs_own_formula_with_tanh_as_an_op_of_its_own():
         assert torch.allclose(out, F.gelu(x.to(dtype), approximate="tanh"), rtol=torch.finfo(dtype).eps, atol=2e-7)
     assert gelu_tanh_approx(x) is NotImplemented  # the exact (erf) GELU is left as it is
     # The op itself, eager: torch.tanh, any shape and dtype, and its fake (what export traces) agrees.
-    assert lowering.tanh_approx(x.view(2, -1)).shape == (2, x.numel() // 2)
-    assert torch.equal(lowering.tanh_approx(x), torch.tanh(x))
+    assert tanh_approx(x.view(2, -1)).shape == (2, x.numel() // 2)
+    assert torch.equal(tanh_approx(x), torch.tanh(x))
     for sample in (x.bfloat16(), torch.arange(-3, 4)):
-        torch.library.opcheck(lowering.tanh_approx, (sample,))
-    assert lowering.tanh_approx(torch.arange(-3, 4)).dtype == torch.get_default_dtype()
+        torch.library.opcheck(tanh_approx, (sample,))
+    assert tanh_approx(torch.arange(-3, 4)).dtype == torch.get_default_dtype()
 
 
 def test_decomposed_rewrites_tanh_gelus_only_and_keeps_the_programs_weights_and_inputs():

@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from aot import row_fp8
 from aot.fp8 import quantize_block_
+from aot.gelu import GELU_CUBE, SQRT_2_OVER_PI
 from aot.lowering import DECOMPOSITIONS, decomposed
 from aot.plans import PLANS, resolve_row_fp8
 
@@ -159,7 +160,7 @@ def _compiled(capability: int, two: bool) -> str:
 def test_the_kernel_compiles_for_hopper_and_zerogpus_card(capability):
     """Triton compiles the kernel ahead for GPUs this machine does not have (ptxas ships with it). The rows
     load 16 bytes a thread (8 bf16 entries) and store the FP8 rows 8 bytes a thread; the GELU's tanh is the
-    GPU's `tanh.approx.f32`, as Inductor's GELU computes it (`lowering.TANH_APPROX_PTX`); nothing is in fp64;
+    GPU's `tanh.approx.f32`, as Inductor's GELU computes it (`gelu.TANH_APPROX_PTX`); nothing is in fp64;
     the abs-max and the clamp keep NaN (PTX's `.NaN` max and min)."""
     for two in (False, True):
         ptx = _compiled(capability, two)
@@ -293,7 +294,7 @@ def test_the_rewrite_takes_only_what_the_kernel_computes():
 
     def gelu_with_alpha(y):  # `lowering.gelu_tanh_approx`'s ops, 1 + tanh written with alpha=2
         f = y.float()
-        return (f * 0.5 * torch.add(tanh((f + f * 0.044715 * f * f) * row_fp8.SQRT_2_OVER_PI), 1, alpha=2)).bfloat16()
+        return (f * 0.5 * torch.add(tanh((f + f * GELU_CUBE * f * f) * SQRT_2_OVER_PI), 1, alpha=2)).bfloat16()
 
     scaled = lambda a, p, r, c, b: torch.cat([a, gelu((p * (r * c) + b).bfloat16())], -1)  # noqa: E731
     thrice = lambda t, b: torch.add(t, b, alpha=3).bfloat16()  # noqa: E731  # read as a plain part
